@@ -1,0 +1,1 @@
+"""jax-rollout public API."""

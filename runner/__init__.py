@@ -1,0 +1,1 @@
+"""Device side of jax-rollout: models, checkpoint loading, paged KV cache, attention, sampling."""

@@ -1,0 +1,110 @@
+"""Attention kernels: dense causal attention (training forward) and ragged paged attention (engine).
+
+`ragged_paged_attention` has the contract of JAX's TPU kernel
+`jax.experimental.pallas.ops.tpu.ragged_paged_attention`: queries packed across requests,
+`kv_pages [pages, page_size, 2 * kv_heads, head_dim]` with K and V interleaved on the head axis
+(K of head h at 2h, V at 2h + 1), `kv_lens`, `page_indices`, `cu_q_lens`, `num_seqs`. The pure-JAX
+version here is the reference and the CPU/GPU path: it gathers each request's pages once (never a
+copy of the context per query token) and its cost follows `page_indices.shape[1]`, the context
+bucket chosen by the caller, never `max_model_len`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+    """Where one engine step's tokens live in the paged KV cache (explicit, no global context)."""
+
+    slot_mapping: Int[Array, "T"]  # flat KV slot (page * page_size + offset) of each token; out of range = drop
+    kv_lens: Int[Array, "S"]  # context length of each sequence after this step's tokens
+    page_indices: Int[Array, "S W"]  # KV pages of each sequence (W = context bucket in pages)
+    cu_q_lens: Int[Array, "S+1"]  # start of each sequence's queries in the packed token axis
+    num_seqs: Int[Array, "1"]  # number of real sequences (the rest of S is padding)
+    max_q_len: int = dataclasses.field(metadata=dict(static=True), default=1)  # static bound on any q_len
+
+
+def write_kv(
+    kv_pages: Float[Array, "P page 2Hkv D"],
+    k: Float[Array, "T Hkv D"],
+    v: Float[Array, "T Hkv D"],
+    slot_mapping: Int[Array, "T"],
+) -> Float[Array, "P page 2Hkv D"]:
+    """Scatter this step's K/V into their slots (interleaved K, V per head); out-of-range slots are dropped."""
+    num_pages, page_size, combined, head_dim = kv_pages.shape
+    kv = jnp.stack([k, v], axis=2).reshape(k.shape[0], combined, head_dim).astype(kv_pages.dtype)
+    flat = kv_pages.reshape(num_pages * page_size, combined, head_dim)
+    flat = flat.at[slot_mapping].set(kv, mode="drop")
+    return flat.reshape(kv_pages.shape)
+
+
+def ragged_paged_attention(
+    queries: Float[Array, "T Hq D"],
+    kv_pages: Float[Array, "P page 2Hkv D"],
+    kv_lens: Int[Array, "S"],
+    page_indices: Int[Array, "S W"],
+    cu_q_lens: Int[Array, "S+1"],
+    num_seqs: Int[Array, "1"],
+    *,
+    sm_scale: float,
+    max_q_len: int,
+) -> Float[Array, "T Hq D"]:
+    """Causal attention of packed queries over each sequence's paged context (pure JAX reference)."""
+    num_tokens, num_q_heads, head_dim = queries.shape
+    num_seqs_padded, pages_per_seq = page_indices.shape
+    page_size = kv_pages.shape[1]
+    num_kv_heads = kv_pages.shape[2] // 2
+    group = num_q_heads // num_kv_heads
+    context = pages_per_seq * page_size
+
+    kv = kv_pages[page_indices].reshape(num_seqs_padded, context, 2 * num_kv_heads, head_dim)
+    k, v = kv[:, :, 0::2], kv[:, :, 1::2]  # [S, L, Hkv, D]
+
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    q_offsets = jnp.arange(max_q_len, dtype=jnp.int32)
+    q_index = jnp.clip(cu_q_lens[:-1, None] + q_offsets[None, :], 0, num_tokens - 1)  # [S, Qm]
+    q = queries[q_index].reshape(num_seqs_padded, max_q_len, num_kv_heads, group, head_dim)
+
+    scores = jnp.einsum("sqhgd,skhd->shgqk", q, k, preferred_element_type=jnp.float32) * sm_scale
+    q_pos = (kv_lens - q_lens)[:, None] + q_offsets[None, :]  # [S, Qm] absolute position
+    k_pos = jnp.arange(context, dtype=jnp.int32)
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < kv_lens[:, None, None])
+    scores = jnp.where(mask[:, None, None], scores, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("shgqk,skhd->sqhgd", probs, v).reshape(num_seqs_padded, max_q_len, num_q_heads, head_dim)
+
+    token = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq_of_token = jnp.clip(jnp.searchsorted(cu_q_lens, token, side="right") - 1, 0, num_seqs_padded - 1)
+    offset = jnp.clip(token - cu_q_lens[seq_of_token], 0, max_q_len - 1)
+    return out[seq_of_token, offset].astype(queries.dtype)
+
+
+def causal_attention(
+    q: Float[Array, "B S Hq D"],
+    k: Float[Array, "B S Hkv D"],
+    v: Float[Array, "B S Hkv D"],
+    *,
+    sm_scale: float,
+    attention_mask: Int[Array, "B S"] | None = None,
+) -> Float[Array, "B S Hq D"]:
+    """Dense causal grouped-query attention over full sequences (the trainer's forward)."""
+    batch, seq, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    group = num_q_heads // num_kv_heads
+    qg = q.reshape(batch, seq, num_kv_heads, group, head_dim)
+    scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32) * sm_scale
+    mask = jnp.tril(jnp.ones((seq, seq), dtype=bool))[None]
+    if attention_mask is not None:
+        mask = mask & (attention_mask[:, None, :] > 0)
+    scores = jnp.where(mask[:, None, None], scores, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bhgqk,bkhd->bqhgd", probs, v).reshape(batch, seq, num_q_heads, head_dim)

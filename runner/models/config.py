@@ -1,0 +1,143 @@
+"""Model configuration: the Llama-family hyper-parameters, built from a Hugging Face `config.json`."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+SUPPORTED_DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency scaling (`rope_scaling.rope_type == "llama3"`)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of one Llama-family decoder (Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3)."""
+
+    family: str  # "llama" | "qwen2" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    param_dtype: str = "float32"
+    dtype: str = "float32"  # compute dtype
+
+    def __post_init__(self) -> None:
+        if self.family not in SUPPORTED_ARCHITECTURES.values():
+            raise ValueError(f"unknown model family {self.family!r}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"config.{name} must be positive, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads}) for grouped-query attention")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        for name in ("param_dtype", "dtype"):
+            if getattr(self, name) not in SUPPORTED_DTYPES:
+                raise ValueError(f"{name} must be one of {SUPPORTED_DTYPES}, got {getattr(self, name)!r}")
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    def with_dtype(self, dtype: str, param_dtype: str | None = None) -> "ModelConfig":
+        return dataclasses.replace(self, dtype=dtype, param_dtype=param_dtype or dtype)
+
+    @classmethod
+    def from_hf_dict(cls, hf: Mapping[str, object], *, dtype: str = "float32") -> "ModelConfig":
+        """Build from the contents of a Hugging Face `config.json`."""
+        archs = hf.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            model_type = hf.get("model_type")
+            by_type = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
+            if model_type in by_type:
+                arch = by_type[model_type]
+            else:
+                raise ValueError(
+                    f"unsupported architecture {archs or model_type!r}; supported: "
+                    f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        family = SUPPORTED_ARCHITECTURES[arch]
+        try:
+            hidden = int(hf["hidden_size"])
+            n_heads = int(hf["num_attention_heads"])
+            layers = int(hf["num_hidden_layers"])
+            vocab = int(hf["vocab_size"])
+            inter = int(hf["intermediate_size"])
+        except KeyError as e:
+            raise ValueError(f"config.json lacks required field {e.args[0]!r}") from None
+        if n_heads <= 0 or hidden % n_heads and hf.get("head_dim") is None:
+            raise ValueError(f"hidden_size ({hidden}) is not divisible by num_attention_heads ({n_heads})")
+        head_dim = int(hf.get("head_dim") or hidden // n_heads)
+        rope_params = hf.get("rope_parameters") or {}
+        rope_theta = float(hf.get("rope_theta") or rope_params.get("rope_theta") or 10000.0)
+        scaling = hf.get("rope_scaling") or (rope_params if rope_params.get("rope_type") not in (None, "default") else None)
+        rope_scaling = None
+        if scaling:
+            kind = scaling.get("rope_type") or scaling.get("type")
+            if kind == "llama3":
+                rope_scaling = RopeScaling(
+                    factor=float(scaling["factor"]),
+                    low_freq_factor=float(scaling["low_freq_factor"]),
+                    high_freq_factor=float(scaling["high_freq_factor"]),
+                    original_max_position_embeddings=int(scaling["original_max_position_embeddings"]))
+            elif kind not in (None, "default"):
+                raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: llama3")
+        if family == "qwen2" and hf.get("use_sliding_window"):
+            raise ValueError("Qwen2 with use_sliding_window=true is not supported")
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
+        attention_bias = bool(hf.get("attention_bias", False))
+        return cls(
+            family=family,
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=inter,
+            num_hidden_layers=layers,
+            num_attention_heads=n_heads,
+            num_key_value_heads=int(hf.get("num_key_value_heads") or n_heads),
+            head_dim=head_dim,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=True if family == "qwen2" else attention_bias,
+            o_bias=False if family == "qwen2" else attention_bias,
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            qk_norm=family == "qwen3",
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            param_dtype=dtype,
+            dtype=dtype,
+        )

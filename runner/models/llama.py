@@ -1,0 +1,207 @@
+"""The Llama-family decoder (Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3) as one Flax NNX model.
+
+The same layers serve the trainer's full-sequence forward (`model(input_ids, positions)`) and the
+engine's paged step (`model.forward_paged(...)`), so both compute the same numbers.
+Parameter names follow Hugging Face's module tree (`layers[i].self_attn.q_proj.kernel`), with
+Flax `[in, out]` kernels.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from runner.attention import AttentionMetadata, causal_attention, ragged_paged_attention, write_kv
+from runner.models.config import ModelConfig
+
+KVCaches = tuple[Float[Array, "P page 2Hkv D"], ...]
+
+
+def _dtype(name: str) -> jnp.dtype:
+    return jnp.dtype(name)
+
+
+class Linear(nnx.Module):
+    """`y = x @ kernel (+ bias)` with a `[in, out]` kernel."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, cfg: ModelConfig, rngs: nnx.Rngs):
+        init = jax.nn.initializers.normal(stddev=0.02)
+        self.kernel = nnx.Param(init(rngs.params(), (in_features, out_features), _dtype(cfg.param_dtype)))
+        self.bias = nnx.Param(jnp.zeros((out_features,), _dtype(cfg.param_dtype))) if bias else None
+        self.compute_dtype = _dtype(cfg.dtype)
+
+    def __call__(self, x: Float[Array, "... in"]) -> Float[Array, "... out"]:
+        y = jnp.dot(x.astype(self.compute_dtype), self.kernel[...].astype(self.compute_dtype))
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.compute_dtype)
+        return y
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm computed in float32, scaled in the input dtype (as Hugging Face does)."""
+
+    def __init__(self, dim: int, *, eps: float, cfg: ModelConfig):
+        self.scale = nnx.Param(jnp.ones((dim,), _dtype(cfg.param_dtype)))
+        self.eps = eps
+
+    def __call__(self, x: Float[Array, "... d"]) -> Float[Array, "... d"]:
+        h = x.astype(jnp.float32)
+        h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
+        return self.scale[...].astype(x.dtype) * h.astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Rotary inverse frequencies `[head_dim / 2]` (float32), with llama3 scaling when configured."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))
+    inv_freq = inv_freq.astype(np.float32)
+    s = cfg.rope_scaling
+    if s is not None:
+        low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+        high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+        smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+            s.high_freq_factor - s.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv_freq = np.where(medium, smoothed, scaled).astype(np.float32)
+    return inv_freq
+
+
+def apply_rope(x: Float[Array, "... H D"], positions: Int[Array, "..."], inv_freq: Float[Array, "D2"]
+               ) -> Float[Array, "... H D"]:
+    """Rotate-half rotary embedding (Hugging Face layout: first half / second half of head_dim)."""
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., D/2]
+    emb = jnp.concatenate([angles, angles], axis=-1)[..., None, :]  # [..., 1, D]
+    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention with optional QKV bias (Qwen2) and per-head Q/K norm (Qwen3)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = Linear(h, cfg.num_attention_heads * d, bias=cfg.qkv_bias, cfg=cfg, rngs=rngs)
+        self.k_proj = Linear(h, cfg.num_key_value_heads * d, bias=cfg.qkv_bias, cfg=cfg, rngs=rngs)
+        self.v_proj = Linear(h, cfg.num_key_value_heads * d, bias=cfg.qkv_bias, cfg=cfg, rngs=rngs)
+        self.o_proj = Linear(cfg.num_attention_heads * d, h, bias=cfg.o_bias, cfg=cfg, rngs=rngs)
+        self.q_norm = RMSNorm(d, eps=cfg.rms_norm_eps, cfg=cfg) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, eps=cfg.rms_norm_eps, cfg=cfg) if cfg.qk_norm else None
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(cfg)))  # not a Param: never trained or synced
+
+    def qkv(self, x: Float[Array, "... H"], positions: Int[Array, "..."]
+            ) -> tuple[Float[Array, "... Hq D"], Float[Array, "... Hkv D"], Float[Array, "... Hkv D"]]:
+        lead = x.shape[:-1]
+        q = self.q_proj(x).reshape(*lead, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        inv_freq = self.inv_freq[...]
+        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+    def __call__(self, x: Float[Array, "B S H"], positions: Int[Array, "B S"],
+                 attention_mask: Int[Array, "B S"] | None) -> Float[Array, "B S H"]:
+        q, k, v = self.qkv(x, positions)
+        o = causal_attention(q, k, v, sm_scale=self.head_dim ** -0.5, attention_mask=attention_mask)
+        return self.o_proj(o.reshape(*x.shape[:-1], -1))
+
+    def paged(self, x: Float[Array, "T H"], positions: Int[Array, "T"], kv_pages: Float[Array, "P page 2Hkv D"],
+              md: AttentionMetadata) -> tuple[Float[Array, "T H"], Float[Array, "P page 2Hkv D"]]:
+        q, k, v = self.qkv(x, positions)
+        kv_pages = write_kv(kv_pages, k, v, md.slot_mapping)
+        o = ragged_paged_attention(q, kv_pages, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
+                                   sm_scale=self.head_dim ** -0.5, max_q_len=md.max_q_len)
+        return self.o_proj(o.reshape(x.shape[0], -1)), kv_pages
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: `down(silu(gate(x)) * up(x))`."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = Linear(h, i, bias=cfg.mlp_bias, cfg=cfg, rngs=rngs)
+        self.up_proj = Linear(h, i, bias=cfg.mlp_bias, cfg=cfg, rngs=rngs)
+        self.down_proj = Linear(i, h, bias=cfg.mlp_bias, cfg=cfg, rngs=rngs)
+
+    def __call__(self, x: Float[Array, "... H"]) -> Float[Array, "... H"]:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm residual block: attention then MLP."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, cfg=cfg)
+        self.self_attn = Attention(cfg, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, cfg=cfg)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x: Float[Array, "B S H"], positions: Int[Array, "B S"],
+                 attention_mask: Int[Array, "B S"] | None) -> Float[Array, "B S H"]:
+        x = x + self.self_attn(self.input_layernorm(x), positions, attention_mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def paged(self, x: Float[Array, "T H"], positions: Int[Array, "T"], kv_pages: Float[Array, "P page 2Hkv D"],
+              md: AttentionMetadata) -> tuple[Float[Array, "T H"], Float[Array, "P page 2Hkv D"]]:
+        attn, kv_pages = self.self_attn.paged(self.input_layernorm(x), positions, kv_pages, md)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), kv_pages
+
+
+class LlamaForCausalLM(nnx.Module):
+    """Decoder-only causal LM; `model(input_ids, positions)` is the trainer's forward."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = cfg
+        init = jax.nn.initializers.normal(stddev=0.02)
+        self.embed_tokens = nnx.Param(init(rngs.params(), (cfg.vocab_size, cfg.hidden_size), _dtype(cfg.param_dtype)))
+        self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, cfg=cfg)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(
+            cfg.hidden_size, cfg.vocab_size, bias=False, cfg=cfg, rngs=rngs)
+
+    def embed(self, input_ids: Int[Array, "..."]) -> Float[Array, "... H"]:
+        return self.embed_tokens[...][input_ids].astype(_dtype(self.config.dtype))
+
+    def compute_logits(self, hidden: Float[Array, "... H"]) -> Float[Array, "... V"]:
+        """Final-norm'd hidden states -> float32 logits."""
+        if self.lm_head is None:
+            w = self.embed_tokens[...].astype(hidden.dtype)
+            logits = jnp.einsum("...h,vh->...v", hidden, w)
+        else:
+            logits = self.lm_head(hidden)
+        return logits.astype(jnp.float32)
+
+    def hidden_states(self, input_ids: Int[Array, "B S"], positions: Int[Array, "B S"],
+                      attention_mask: Int[Array, "B S"] | None = None) -> Float[Array, "B S H"]:
+        """Final-norm'd hidden states of a full-sequence causal forward."""
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, attention_mask)
+        return self.norm(x)
+
+    def __call__(self, input_ids: Int[Array, "B S"], positions: Int[Array, "B S"],
+                 attention_mask: Int[Array, "B S"] | None = None) -> Float[Array, "B S V"]:
+        """Full-sequence causal forward: float32 logits at every position."""
+        return self.compute_logits(self.hidden_states(input_ids, positions, attention_mask))
+
+    def forward_paged(self, token_ids: Int[Array, "T"], positions: Int[Array, "T"], kv_caches: KVCaches,
+                      md: AttentionMetadata) -> tuple[Float[Array, "T H"], KVCaches]:
+        """One engine step over packed tokens: writes their K/V into the paged caches, returns final hidden."""
+        x = self.embed(token_ids)
+        new_caches = []
+        for layer, kv_pages in zip(self.layers, kv_caches):
+            x, kv_pages = layer.paged(x, positions, kv_pages, md)
+            new_caches.append(kv_pages)
+        return self.norm(x), tuple(new_caches)
