@@ -1,0 +1,192 @@
+"""`Engine`: the public entry point. `generate` runs steps of schedule -> run -> postprocess."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Sequence as Seq
+
+import numpy as np
+from tqdm import tqdm
+
+from rollout.block_manager import BlockManager
+from rollout.engine_config import EngineConfig, EngineStats
+from rollout.output_processor import OutputProcessor
+from rollout.outputs import RequestOutput, RolloutBatch
+from rollout.rollout_batch import build_rollout_batch
+from rollout.sampling_params import SamplingParams
+from rollout.scheduler import Scheduler, SchedulerConfig
+from rollout.sequence import Sequence
+from rollout.step_builder import build_step
+from rollout.tokenizer import Tokenizer, load_tokenizer
+from runner.buckets import BucketConfig
+from runner.compile_counter import num_compilations
+from runner.kv_cache import KVCacheSpec
+from runner.model_runner import MAX_SUPPRESS, ModelRunner
+from runner.models.llama import LlamaForCausalLM
+from runner.models.loader import load_model
+
+Prompt = str | list[int]
+
+
+class Engine:
+    """Continuous-batching rollout engine over a paged KV cache."""
+
+    def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer, config: EngineConfig) -> None:
+        cfg = model.config
+        self.config = config
+        self.tokenizer = tokenizer
+        self.model_config = cfg
+        self.eos_token_ids = tuple(dict.fromkeys([*cfg.eos_token_ids, *tokenizer.eos_token_ids]))
+        block_size = config.block_size
+        max_pages = -(-config.max_model_len // block_size)
+        num_blocks = config.kv_cache_blocks
+        if num_blocks is None and config.kv_cache_memory_bytes is None:
+            num_blocks = config.max_num_seqs * max_pages
+        kv_spec = KVCacheSpec.for_model(cfg, block_size=block_size, num_blocks=num_blocks,
+                                        memory_bytes=config.kv_cache_memory_bytes)
+        if kv_spec.num_blocks < max_pages:
+            raise ValueError(f"the KV cache ({kv_spec.num_blocks} blocks of {block_size}) cannot hold one sequence "
+                             f"of max_model_len={config.max_model_len}; give at least {max_pages} blocks")
+        buckets = BucketConfig(config.max_num_seqs, config.max_num_batched_tokens, max_pages)
+        self.runner = ModelRunner(model, kv_spec, buckets, max_logprobs=config.max_logprobs)
+        self.block_manager = BlockManager(kv_spec.num_blocks, block_size,
+                                          enable_prefix_caching=config.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                                   config.max_model_len), self.block_manager)
+        self.outputs = OutputProcessor(self.scheduler, tokenizer, self.eos_token_ids, config.max_model_len)
+        self.rng = np.random.default_rng(config.seed)
+        self.policy_version: int | None = None
+        self.stats_ = EngineStats()
+        self._compiles_at_start = num_compilations()
+        self._next_id = 0
+        self._generating = False
+
+    @classmethod
+    def from_pretrained(cls, path: str | None = None, *, dtype: str = "float32", **config: object) -> "Engine":
+        """Load a HF directory, a `.gguf` file, or (None) the embedded SmolLM2-135M-Instruct."""
+        engine_config = EngineConfig(**config)  # validate before the (slow) load
+        model, _ = load_model(path, dtype=dtype)
+        return cls(model, load_tokenizer(path), engine_config)
+
+    @classmethod
+    def from_model(cls, model: LlamaForCausalLM, tokenizer: Tokenizer, **config: object) -> "Engine":
+        """Serve a model the trainer already holds (its parameters are shared, not copied)."""
+        return cls(model, tokenizer, EngineConfig(**config))
+
+    # ---- public API -------------------------------------------------------------------------
+    def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 *, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Complete every prompt; returns one `RequestOutput` per prompt, in order."""
+        prompts_list, params_list = self._normalize(prompts, sampling_params)
+        token_lists = [self._validate(p, sp) for p, sp in zip(prompts_list, params_list)]
+        requests: list[tuple[int, str | None, list[Sequence]]] = []
+        for prompt, ids, sp in zip(prompts_list, token_lists, params_list):
+            requests.append(self._add_request(prompt if isinstance(prompt, str) else None, ids, sp))
+        total = sum(len(seqs) for _, _, seqs in requests)
+        bar = tqdm(total=total, desc="generate", disable=not use_tqdm)
+        start = time.perf_counter()
+        self._generating = True
+        try:
+            while self.scheduler.has_unfinished():
+                bar.update(len(self.step()))
+        finally:
+            self._generating = False
+            bar.close()
+        self.stats_.generate_seconds += time.perf_counter() - start
+        self.stats_.generated_tokens += sum(s.num_output_tokens for _, _, seqs in requests for s in seqs)
+        results = [self.outputs.request_output(rid, prompt, seqs, self.policy_version) for rid, prompt, seqs in requests]
+        for rid, _, _ in requests:
+            self.scheduler.forget_request(rid)
+        return results
+
+    def step(self) -> list[Sequence]:
+        """One engine step: schedule -> run -> postprocess. Returns the sequences that finished."""
+        batch = self.scheduler.schedule()
+        result = self.runner.run(build_step(batch, self.eos_token_ids))
+        finished = self.outputs.process(batch, result)
+        self.stats_.record_step(batch)
+        return finished
+
+    def rollout(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                *, use_tqdm: bool = False) -> RolloutBatch:
+        """`generate`, then pack prompt + completions as padded arrays for a policy-gradient loss."""
+        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        return build_rollout_batch(outputs, pad_id=pad_id, policy_version=self.policy_version)
+
+    def warmup(self) -> int:
+        """Compile every step bucket now (not during the first calls); returns the number of programs."""
+        return self.runner.warmup()
+
+    def stats(self) -> EngineStats:
+        """Counters since the engine was built (a copy)."""
+        return dataclasses.replace(
+            self.stats_, num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_hit_tokens=self.block_manager.num_cache_hit_tokens,
+            prefix_cache_queried_tokens=self.block_manager.num_cache_queried_tokens,
+            num_compilations=num_compilations() - self._compiles_at_start)
+
+    # ---- internals --------------------------------------------------------------------------
+    def _normalize(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None
+                   ) -> tuple[list[Prompt], list[SamplingParams]]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, np.integer))):
+            prompts = [prompts]
+        prompts_list = list(prompts)
+        if not prompts_list:
+            raise ValueError("generate() needs at least one prompt")
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts_list):
+                raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts_list)} prompts; "
+                                 "pass one, or one per prompt")
+        return prompts_list, params_list
+
+    def _validate(self, prompt: Prompt, sp: SamplingParams) -> list[int]:
+        """Token ids of a prompt, or a ValueError saying what is wrong (nothing is queued yet)."""
+        if not isinstance(sp, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(sp).__name__}")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("empty prompt: give at least one character or token")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("empty prompt: give at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.config.max_model_len:
+            raise ValueError(f"prompt of {len(ids)} tokens leaves no room to generate within max_model_len="
+                             f"{self.config.max_model_len}; shorten it or raise max_model_len")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(sp, name)
+            if k is not None and k > self.config.max_logprobs:
+                raise ValueError(f"{name}={k} exceeds the engine's max_logprobs={self.config.max_logprobs}; "
+                                 "ask for fewer or build the engine with a larger max_logprobs")
+        if sp.min_tokens > 0 and len(set(self.eos_token_ids) | set(sp.stop_token_ids)) > MAX_SUPPRESS:
+            raise ValueError(f"min_tokens needs EOS and stop_token_ids suppressed: at most {MAX_SUPPRESS} ids")
+        return ids
+
+    def _add_request(self, prompt: str | None, ids: list[int], sp: SamplingParams
+                     ) -> tuple[int, str | None, list[Sequence]]:
+        rid = self._next_id
+        self._next_id += 1
+        seed = sp.seed if sp.seed is not None else int(self.rng.integers(0, 2**32))
+        seqs = []
+        for index in range(sp.n):
+            seq = Sequence(seq_id=rid * 1_000_003 + index, request_id=rid, sample_index=index, prompt_ids=ids,
+                           params=sp, seed=seed, arrival=self._next_arrival())
+            self.scheduler.add(seq)
+            seqs.append(seq)
+        return rid, prompt, seqs
+
+    def _next_arrival(self) -> int:
+        self.stats_.num_sequences += 1
+        return self.stats_.num_sequences

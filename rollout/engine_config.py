@@ -1,0 +1,66 @@
+"""`EngineConfig` (the engine's budgets, validated) and `EngineStats` (its counters)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rollout.scheduler import ScheduledBatch
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Budgets and cache sizes (vLLM names). KV size: `kv_cache_blocks`, or a byte budget, or
+    by default enough blocks for `max_num_seqs` sequences of `max_model_len` tokens."""
+
+    max_num_seqs: int = 64
+    max_model_len: int = 1024
+    max_num_batched_tokens: int = 512
+    block_size: int = 16
+    kv_cache_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    seed: int = 0
+    max_logprobs: int = 20
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_num_batched_tokens < 32:
+            raise ValueError(f"max_num_batched_tokens must be >= 32, got {self.max_num_batched_tokens}")
+        if self.kv_cache_blocks is not None and self.kv_cache_blocks < 1:
+            raise ValueError(f"kv_cache_blocks must be >= 1, got {self.kv_cache_blocks}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Counters since the engine was built."""
+
+    num_steps: int = 0
+    num_prefill_steps: int = 0
+    num_decode_steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    generated_tokens: int = 0
+    num_sequences: int = 0
+    num_preemptions: int = 0
+    prefix_cache_hit_tokens: int = 0
+    prefix_cache_queried_tokens: int = 0
+    num_compilations: int = 0
+    generate_seconds: float = 0.0
+
+    @property
+    def generated_tokens_per_second(self) -> float:
+        return self.generated_tokens / self.generate_seconds if self.generate_seconds else 0.0
+
+    def record_step(self, batch: ScheduledBatch) -> None:
+        self.num_steps += 1
+        if batch.is_prefill:
+            self.num_prefill_steps += 1
+            self.prefill_tokens += batch.num_tokens
+        else:
+            self.num_decode_steps += 1
+            self.decode_tokens += batch.num_tokens

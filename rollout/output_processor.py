@@ -1,0 +1,102 @@
+"""After a step: append sampled tokens and logprobs, apply stop rules, assemble `RequestOutput`s."""
+
+from __future__ import annotations
+
+from rollout.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from rollout.scheduler import ScheduledBatch, Scheduler
+from rollout.sequence import Sequence
+from rollout.tokenizer import Tokenizer
+from runner.model_runner import StepResult
+
+
+class OutputProcessor:
+    """Turns step results into sequence state and finished sequences into outputs."""
+
+    def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer, eos_token_ids: tuple[int, ...],
+                 max_model_len: int) -> None:
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+
+    def process(self, batch: ScheduledBatch, result: StepResult) -> list[Sequence]:
+        """Apply one step's results; returns the sequences that finished."""
+        finished: list[Sequence] = []
+        offset = 0
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            if result.token_logprobs is not None and seq.wants_prompt_logprobs:
+                self._record_prompt_logprobs(seq, result, offset, n)
+            offset += n
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue  # a prefill chunk that does not reach the end: nothing sampled
+            if seq.num_output_tokens == 0:
+                self.scheduler.mark_prefilled(seq)
+            token = int(result.token_ids[i])
+            seq.token_ids.append(token)
+            if seq.params.logprobs is not None:
+                seq.output_logprobs.append(float(result.logprobs[i]))
+                seq.output_top.append((result.top_ids[i].tolist(), result.top_logprobs[i].tolist()))
+            if self._check_stop(seq, token):
+                self.scheduler.finish(seq)
+                finished.append(seq)
+        return finished
+
+    def _record_prompt_logprobs(self, seq: Sequence, result: StepResult, offset: int, n: int) -> None:
+        for j in range(n):
+            position = seq.num_computed_tokens + j
+            if position + 1 < seq.num_prompt_tokens and position == len(seq.prompt_logprobs):
+                seq.prompt_logprobs.append(float(result.token_logprobs[offset + j]))
+                seq.prompt_top.append((result.token_top_ids[offset + j].tolist(),
+                                       result.token_top_logprobs[offset + j].tolist()))
+
+    def _check_stop(self, seq: Sequence, token: int) -> bool:
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens:
+            if token in p.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = "stop", token
+                return True
+            if not p.ignore_eos and token in self.eos_token_ids:
+                seq.finish_reason = "stop"
+                return True
+            if p.stop:
+                text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=p.skip_special_tokens)
+                tail = text[-(max(len(s) for s in p.stop) + 32):]
+                hit = next((s for s in p.stop if s in tail), None)
+                if hit is not None:
+                    seq.finish_reason, seq.stop_reason = "stop", hit
+                    return True
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+            return True
+        return False
+
+    def completion(self, seq: Sequence, policy_version: int | None) -> CompletionOutput:
+        p = seq.params
+        text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=p.skip_special_tokens)
+        if isinstance(seq.stop_reason, str):
+            text = text[:text.find(seq.stop_reason)] if seq.stop_reason in text else text
+        logprobs = None
+        cumulative = None
+        if p.logprobs is not None:
+            logprobs = [TokenLogprob(t, lp, dict(zip(ids, lps)))
+                        for t, lp, (ids, lps) in zip(seq.output_ids, seq.output_logprobs, seq.output_top)]
+            cumulative = float(sum(seq.output_logprobs))
+        return CompletionOutput(index=seq.sample_index, token_ids=list(seq.output_ids), text=text,
+                                logprobs=logprobs, cumulative_logprob=cumulative,
+                                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                                policy_version=policy_version)
+
+    def request_output(self, request_id: int, prompt: str | None, seqs: list[Sequence],
+                       policy_version: int | None) -> RequestOutput:
+        first = seqs[0]
+        prompt_logprobs = None
+        if first.params.prompt_logprobs is not None:
+            prompt_logprobs = [None] + [
+                TokenLogprob(t, lp, dict(zip(ids, lps)))
+                for t, lp, (ids, lps) in zip(first.token_ids[1:first.num_prompt_tokens], first.prompt_logprobs,
+                                             first.prompt_top)]
+        return RequestOutput(request_id=request_id, prompt=prompt,
+                             prompt_token_ids=first.token_ids[:first.num_prompt_tokens],
+                             prompt_logprobs=prompt_logprobs,
+                             outputs=[self.completion(s, policy_version) for s in seqs])

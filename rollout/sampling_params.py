@@ -1,0 +1,83 @@
+"""`SamplingParams`: how one prompt is sampled (vLLM names), validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+LogprobsMode = Literal["raw", "processed"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-prompt sampling settings.
+
+    `logprobs=None` returns no logprobs; `logprobs=k` returns the sampled token's logprob plus the
+    k most likely alternatives (k may be 0). `logprobs_mode="raw"` is the log-softmax of the model's
+    logits (what a trainer's plain forward computes); `"processed"` is the log-probability under the
+    distribution actually sampled from (after temperature, top-k, top-p, min-p; greedy requests use
+    temperature 1 there). `seed=None` draws a seed from the engine's generator.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: tuple[str, ...] | list[str] | str | None = None
+    stop_token_ids: tuple[int, ...] | list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logprobs_mode: LogprobsMode = "raw"
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        def fail(msg: str) -> None:
+            raise ValueError(f"SamplingParams: {msg}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            fail(f"n must be an integer >= 1, got {self.n!r}")
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+            fail(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            fail(f"top_k must be an integer >= -1 (0 or -1 = no top-k), got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+            fail(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.min_p, (int, float)) or not (0.0 <= self.min_p <= 1.0):
+            fail(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**32):
+            fail(f"seed must be None or an integer in [0, 2**32), got {self.seed!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            fail(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            fail(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            fail(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                fail(f"{name} must be None or an integer >= 0, got {value!r}")
+        if self.logprobs_mode not in ("raw", "processed"):
+            fail(f"logprobs_mode must be 'raw' or 'processed', got {self.logprobs_mode!r}")
+        stop = self.stop
+        stop = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
+        if any(not isinstance(s, str) or not s for s in stop):
+            fail(f"stop must be non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", stop)
+        ids = tuple(self.stop_token_ids or ())
+        if any(not isinstance(t, int) or t < 0 for t in ids):
+            fail(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", ids)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_filtering(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0

@@ -1,0 +1,146 @@
+"""The scheduler: which sequences run in the next step, under token, sequence and KV-block budgets.
+
+Plain Python. A step is either a prefill step (sequences with several tokens lacking K/V: new
+prompts, chunks of long prompts, recomputation after preemption) or a decode step (every running
+sequence computes its last token and samples the next). Prefill work goes first. When KV blocks
+run out, the most recently admitted running sequence is preempted: its blocks are freed and it is
+recomputed later. No request fails for lack of memory alone.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from rollout.block_manager import BlockManager
+from rollout.sequence import Sequence, SequenceStatus
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """Budgets of one step."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    decode_steps: int = 1  # tokens a decode step may produce per sequence (multi-step / speculation)
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "decode_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledBatch:
+    """One step's work: the sequences and how many of their pending tokens each computes."""
+
+    is_prefill: bool
+    seqs: list[Sequence]
+    num_new_tokens: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    """Continuous batching with chunked prefill, prefix sharing and preemption by recompute."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._prefilled_requests: set[int] = set()
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _admissible(self, seq: Sequence) -> bool:
+        # Samples after the first wait until the prompt's K/V exists, then share its blocks.
+        return seq.sample_index == 0 or seq.request_id in self._prefilled_requests
+
+    def schedule(self) -> ScheduledBatch:
+        batch = self._schedule_prefill()
+        if batch.seqs:
+            return batch
+        return self._schedule_decode()
+
+    def _schedule_prefill(self) -> ScheduledBatch:
+        budget = self.config.max_num_batched_tokens
+        seqs: list[Sequence] = []
+        counts: list[int] = []
+        for seq in self.running:  # unfinished chunked prefills first
+            if budget > 0 and seq.is_prefilling:
+                take = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                seqs.append(seq)
+                counts.append(take)
+                budget -= take
+        skipped: list[Sequence] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting.popleft()
+            if not self._admissible(seq):
+                skipped.append(seq)
+                continue
+            if not self.block_manager.can_allocate(seq):
+                self.waiting.appendleft(seq)
+                break
+            self.block_manager.allocate(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            take = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            seqs.append(seq)
+            counts.append(take)
+            budget -= take
+        self.waiting.extendleft(reversed(skipped))
+        for seq, take in zip(seqs, counts):
+            self.block_manager.register_computed(seq, seq.num_computed_tokens + take)
+        return ScheduledBatch(True, seqs, counts)
+
+    def _schedule_decode(self) -> ScheduledBatch:
+        """Every running sequence computes its last token; room is made for `decode_steps` tokens."""
+        scheduled: list[Sequence] = []
+        for seq in sorted(self.running, key=lambda s: s.arrival):
+            if seq.status != SequenceStatus.RUNNING:  # preempted below to make room for an older one
+                continue
+            extra = min(self.config.decode_steps - 1, self.config.max_model_len - seq.num_tokens)
+            while not self.block_manager.can_append(seq, extra):
+                victim = max(self.running, key=lambda s: s.arrival)
+                if victim is seq and len(self.running) == 1:
+                    raise RuntimeError(
+                        "the KV cache cannot hold even one sequence of max_model_len tokens; "
+                        "raise kv_cache_blocks or lower max_model_len")
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status == SequenceStatus.RUNNING:
+                self.block_manager.append(seq, extra)
+                scheduled.append(seq)
+        scheduled = [s for s in scheduled if s.status == SequenceStatus.RUNNING]
+        return ScheduledBatch(False, scheduled, [1] * len(scheduled))
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's blocks and put it back at the head of the queue."""
+        self.running.remove(seq)
+        self.block_manager.deallocate(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def mark_prefilled(self, seq: Sequence) -> None:
+        """Called once a sequence's prompt K/V is complete: its sibling samples may now be admitted."""
+        self._prefilled_requests.add(seq.request_id)
+
+    def finish(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.FINISHED
+        self.running.remove(seq)
+        self.block_manager.deallocate(seq)
+
+    def forget_request(self, request_id: int) -> None:
+        self._prefilled_requests.discard(request_id)

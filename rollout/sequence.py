@@ -1,0 +1,64 @@
+"""`Sequence`: one sample (one of a request's n) as the scheduler and block manager see it."""
+
+from __future__ import annotations
+
+import enum
+
+from rollout.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """Token ids (prompt + output so far), KV bookkeeping and the per-token results of one sample."""
+
+    def __init__(self, seq_id: int, request_id: int, sample_index: int, prompt_ids: list[int],
+                 params: SamplingParams, seed: int, arrival: int) -> None:
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.sample_index = sample_index
+        self.params = params
+        self.seed = seed
+        self.arrival = arrival  # admission order: the newest running sequence is preempted first
+        self.token_ids: list[int] = list(prompt_ids)
+        self.num_prompt_tokens = len(prompt_ids)
+        self.num_computed_tokens = 0  # tokens whose K/V is in the cache
+        self.num_cached_tokens = 0  # of those, tokens taken from the prefix cache at the last allocation
+        self.block_table: list[int] = []
+        self.status = SequenceStatus.WAITING
+        self.output_logprobs: list[float] = []
+        self.output_top: list[tuple[list[int], list[float]]] = []
+        self.prompt_logprobs: list[float] = []  # logprob of prompt token i+1 given tokens <= i
+        self.prompt_top: list[tuple[list[int], list[float]]] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True while tokens other than the last one still lack K/V (a decode step computes exactly one)."""
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None

@@ -1,0 +1,51 @@
+"""Host-side input preparation: a `ScheduledBatch` of sequences -> the runner's `StepBatch` arrays."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rollout.scheduler import ScheduledBatch
+from rollout.sequence import Sequence
+from runner.model_runner import MAX_SUPPRESS, StepBatch
+
+
+def suppressed_ids(seq: Sequence, eos_token_ids: tuple[int, ...]) -> list[int]:
+    """Ids a sequence may not sample yet: EOS and its stop ids until `min_tokens` are out."""
+    if seq.num_output_tokens >= seq.params.min_tokens:
+        return []
+    return list(dict.fromkeys([*eos_token_ids, *seq.params.stop_token_ids]))
+
+
+def build_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...]) -> StepBatch:
+    """Pack the scheduled tokens of every sequence, with their sampling settings (pure numpy)."""
+    seqs, counts = batch.seqs, np.asarray(batch.num_new_tokens, np.int32)
+    starts = np.array([s.num_computed_tokens for s in seqs], np.int32)
+    kv_lens = starts + counts
+    if all(n == 1 for n in batch.num_new_tokens):
+        token_ids = np.array([s.token_ids[-1] for s in seqs], np.int32)
+        positions = starts.copy()
+    else:
+        token_ids = np.concatenate([np.asarray(s.token_ids[a:a + n], np.int32) for s, a, n in zip(seqs, starts, counts)])
+        positions = np.concatenate([np.arange(a, a + n, dtype=np.int32) for a, n in zip(starts, counts)])
+    suppress = np.full((len(seqs), MAX_SUPPRESS), -1, np.int32)
+    for i, seq in enumerate(seqs):
+        ids = suppressed_ids(seq, eos_token_ids)
+        suppress[i, :len(ids)] = ids
+    target_ids = None
+    if batch.is_prefill and any(s.wants_prompt_logprobs for s in seqs):
+        target_ids = np.concatenate([
+            np.asarray((s.token_ids + [-1])[a + 1:a + n + 1], np.int32) for s, a, n in zip(seqs, starts, counts)])
+    params = [s.params for s in seqs]
+    return StepBatch(
+        token_ids=token_ids, positions=positions, q_lens=counts, kv_lens=kv_lens,
+        block_tables=[s.block_table for s in seqs],
+        temperature=np.array([p.temperature for p in params], np.float32),
+        top_k=np.array([p.top_k if p.top_k > 0 else 0 for p in params], np.int32),
+        top_p=np.array([p.top_p for p in params], np.float32),
+        min_p=np.array([p.min_p for p in params], np.float32),
+        seeds=np.array([s.seed for s in seqs], np.uint32),
+        sample_index=np.array([s.sample_index for s in seqs], np.int32),
+        processed=np.array([p.logprobs_mode == "processed" for p in params], bool),
+        suppress_ids=suppress,
+        num_top_logprobs=max((p.logprobs or 0 for p in params), default=0),
+        target_ids=target_ids)

@@ -1,0 +1,60 @@
+"""Shape buckets: the finite set of padded step shapes, so every program can be compiled ahead."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+def pow2_buckets(minimum: int, maximum: int) -> tuple[int, ...]:
+    """Powers of two from `minimum` up to the first one >= `maximum` (capped at `maximum`)."""
+    sizes, b = [], max(1, minimum)
+    while b < maximum:
+        sizes.append(b)
+        b *= 2
+    sizes.append(maximum)
+    return tuple(sorted(set(sizes)))
+
+
+def pick(buckets: tuple[int, ...], n: int) -> int:
+    """The smallest bucket >= n."""
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketConfig:
+    """Bucket sizes for decode (sequences), prefill (tokens) and context (KV pages per sequence)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_pages_per_seq: int
+    min_seqs: int = 8
+    min_tokens: int = 32
+    min_pages: int = 8
+    query_block: int = 32  # prefill queries are attended in pieces of at most this many tokens
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < self.query_block:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= {self.query_block}")
+
+    @property
+    def seq_buckets(self) -> tuple[int, ...]:
+        return pow2_buckets(min(self.min_seqs, self.max_num_seqs), self.max_num_seqs)
+
+    @property
+    def token_buckets(self) -> tuple[int, ...]:
+        return pow2_buckets(min(self.min_tokens, self.max_num_batched_tokens), self.max_num_batched_tokens)
+
+    @property
+    def page_buckets(self) -> tuple[int, ...]:
+        return pow2_buckets(min(self.min_pages, self.max_pages_per_seq), self.max_pages_per_seq)
+
+    def prefill_rows(self, num_tokens: int) -> int:
+        """Sampling rows of a prefill step of `num_tokens` (padded) tokens."""
+        return pick(self.seq_buckets, min(self.max_num_seqs, num_tokens))
+
+    def prefill_pieces(self, num_tokens: int) -> int:
+        """Attention rows (query pieces) of a prefill step: enough for any split of its sequences."""
+        return -(-num_tokens // self.query_block) + self.prefill_rows(num_tokens)

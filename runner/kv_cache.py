@@ -1,0 +1,51 @@
+"""The paged KV cache: one `[pages, page_size, 2 * kv_heads, head_dim]` array per layer (K, V interleaved)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from runner.models.config import ModelConfig
+from runner.models.llama import KVCaches
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheSpec:
+    """Shape and dtype of the paged KV cache."""
+
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.num_blocks < 1 or self.block_size < 1:
+            raise ValueError(f"KV cache needs num_blocks >= 1 and block_size >= 1, got {self.num_blocks}, {self.block_size}")
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.num_layers * self.block_size * 2 * self.num_kv_heads * self.head_dim * jnp.dtype(self.dtype).itemsize
+
+    @classmethod
+    def for_model(cls, cfg: ModelConfig, *, block_size: int, num_blocks: int | None = None,
+                  memory_bytes: int | None = None) -> "KVCacheSpec":
+        """Size by block count, or by a memory budget in bytes."""
+        spec = cls(cfg.num_hidden_layers, 1, block_size, cfg.num_key_value_heads, cfg.head_dim, cfg.dtype)
+        if num_blocks is None:
+            if memory_bytes is None:
+                raise ValueError("give kv_cache_blocks or a KV memory budget")
+            num_blocks = memory_bytes // spec.bytes_per_block
+            if num_blocks < 1:
+                raise ValueError(f"a KV budget of {memory_bytes} bytes holds no block of {spec.bytes_per_block} bytes")
+        return dataclasses.replace(spec, num_blocks=int(num_blocks))
+
+
+def allocate_kv_caches(spec: KVCacheSpec, sharding: jax.sharding.Sharding | None = None) -> KVCaches:
+    """Zeroed caches, one array per layer."""
+    shape = (spec.num_blocks, spec.block_size, 2 * spec.num_kv_heads, spec.head_dim)
+    make = jax.jit(lambda: jnp.zeros(shape, spec.dtype), out_shardings=sharding)
+    return tuple(make() for _ in range(spec.num_layers))

@@ -1,0 +1,109 @@
+"""`load_model`: a checkpoint (HF directory, GGUF file, or the embedded default) -> NNX model + config.
+
+The Hugging Face name -> model parameter mapping is a table of patterns; loading fails loudly on
+checkpoint tensors it does not map, on model parameters nothing fills, and on shape mismatches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from runner.models.checkpoint import read_checkpoint
+from runner.models.config import ModelConfig
+from runner.models.llama import LlamaForCausalLM, rope_inv_freq
+
+
+@dataclasses.dataclass(frozen=True)
+class NameRule:
+    """One row of the HF -> model table: `hf` regex (groups fill `target`), and whether to transpose."""
+
+    hf: str
+    target: str
+    transpose: bool = False
+
+
+HF_RULES: tuple[NameRule, ...] = (
+    NameRule(r"model\.embed_tokens\.weight", "embed_tokens"),
+    NameRule(r"model\.norm\.weight", "norm.scale"),
+    NameRule(r"lm_head\.weight", "lm_head.kernel", transpose=True),
+    NameRule(r"model\.layers\.(\d+)\.(input_layernorm|post_attention_layernorm)\.weight", "layers.{0}.{1}.scale"),
+    NameRule(r"model\.layers\.(\d+)\.self_attn\.(q_norm|k_norm)\.weight", "layers.{0}.self_attn.{1}.scale"),
+    NameRule(r"model\.layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|o_proj)\.weight",
+             "layers.{0}.self_attn.{1}.kernel", transpose=True),
+    NameRule(r"model\.layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|o_proj)\.bias", "layers.{0}.self_attn.{1}.bias"),
+    NameRule(r"model\.layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)\.weight", "layers.{0}.mlp.{1}.kernel",
+             transpose=True),
+    NameRule(r"model\.layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)\.bias", "layers.{0}.mlp.{1}.bias"),
+)
+# Buffers some checkpoints carry that are recomputed here, never loaded.
+IGNORED_HF = (re.compile(r".*rotary_emb\.inv_freq"),)
+
+
+def map_hf_name(name: str) -> tuple[str, bool] | None:
+    """The model path and transpose flag for one HF tensor name, or None when no rule matches."""
+    for rule in HF_RULES:
+        m = re.fullmatch(rule.hf, name)
+        if m:
+            return rule.target.format(*m.groups()), rule.transpose
+    return None
+
+
+def _path_str(path: tuple) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def model_from_hf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> LlamaForCausalLM:
+    """Build the model with its parameters taken from HF-named `[out, in]` tensors."""
+    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, rngs=nnx.Rngs(0)))
+    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+    flat = {_path_str(k): v for k, v in nnx.to_flat_state(params)}
+    values: dict[str, jax.Array] = {}
+    problems: list[str] = []
+    for name, array in tensors.items():
+        if any(p.fullmatch(name) for p in IGNORED_HF):
+            continue
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # tied: the embedding is the output projection
+        mapped = map_hf_name(name)
+        if mapped is None:
+            problems.append(f"checkpoint tensor {name!r} matches no rule")
+            continue
+        target, transpose = mapped
+        if target not in flat:
+            problems.append(f"checkpoint tensor {name!r} -> {target!r}, which this model config does not have")
+            continue
+        if target in values:
+            problems.append(f"two checkpoint tensors map to {target!r}")
+            continue
+        arr = np.asarray(array).T if transpose else np.asarray(array)
+        want = flat[target].value
+        if arr.shape != want.shape:
+            problems.append(f"{name!r}: shape {arr.shape} (after layout change) != model's {want.shape} for {target!r}")
+            continue
+        values[target] = jnp.asarray(arr, dtype=want.dtype)
+    missing = sorted(set(flat) - set(values))
+    problems += [f"model parameter {t!r} is not in the checkpoint" for t in missing]
+    if problems:
+        raise ValueError("checkpoint does not fit the model:\n  " + "\n  ".join(problems))
+    for key, var in nnx.to_flat_state(params):
+        var.value = values[_path_str(key)]
+    inv_freq = jnp.asarray(rope_inv_freq(cfg))  # the only non-parameter state: rotary buffers
+    rest_state = jax.tree.map(lambda s: inv_freq, rest)
+    model = nnx.merge(graphdef, params, rest_state)
+    return model
+
+
+def load_model(path: str | None = None, *, dtype: str = "float32") -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Load a HF directory or `.gguf` file (None = the embedded SmolLM2-135M-Instruct) as an NNX model."""
+    if path is None:
+        from runner.models.default_model import default_model_path
+        path = default_model_path()
+    ckpt = read_checkpoint(path)
+    cfg = ModelConfig.from_hf_dict(ckpt.hf_config, dtype=dtype)
+    return model_from_hf_tensors(cfg, ckpt.tensors), cfg

@@ -1,0 +1,289 @@
+"""Device-side token sampling and logprobs for one engine step.
+
+This file owns turning a batch of S logits rows into sampled tokens: per-row temperature, top-k,
+top-p, min-p, suppressed ids, per-row randomness, and the logprobs returned to the caller (the
+sampled token's and the top-K alternatives). `choose_mode` is the host-side (numpy) choice of the
+static `mode` that `sample` is compiled for.
+
+Order of operations (as vLLM): suppression, temperature scaling, top-k, top-p, min-p, then a
+Gumbel-max draw from the processed logits.
+
+- Suppression: `suppress_ids` (-1 = none) get -inf before anything else; they are never sampled
+  and have processed logprob -inf.
+- Temperature: a row with temperature < `GREEDY_EPS` is greedy (argmax); it is scaled by 1.
+- top-k: keep the k largest scaled logits; `top_k` <= 0 or >= V is off. Ties are broken by token
+  id (lower id ranks first), so the kept set is always exactly k tokens.
+- top-p: on the top-k-renormalized distribution, keep the smallest prefix of the descending order
+  (same tie rule) whose cumulative probability is >= top_p; the top token is always kept.
+  `top_p` >= 1 is off.
+- min-p: keep tokens with p >= min_p * p_max (the ratio does not depend on renormalization, so
+  this is the same before or after top-k/top-p). `min_p` <= 0 is off.
+
+Randomness: row i uses key `fold_in(fold_in(key(seed), sample_index), position)` and one Gumbel
+variable per vocabulary id (in vocabulary order), so a row's token depends only on its own logits,
+settings, seed, sample index and position: never on the other rows, the batch order, or whether
+the batch ran in "random" or "filtered" mode (a row without filters gets the same token in both).
+
+Logprobs (per row, chosen by `SamplingInputs.processed`):
+- raw: `log_softmax` of the model's logits as given (suppression is NOT applied).
+- processed: `log_softmax` of the distribution actually sampled from (after suppression,
+  temperature and filtering; filtered-out tokens are -inf). For a greedy row this is the filtered
+  distribution at temperature 1 (top-k/top-p/min-p applied to the suppressed logits).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jaxtyping import Array, Bool, Float, Int
+
+Mode = Literal["greedy", "random", "filtered"]
+MODES: tuple[str, ...] = ("greedy", "random", "filtered")
+GREEDY_EPS = 1e-5  # temperature below this is greedy (vLLM's _SAMPLING_EPS)
+NUM_CANDIDATES = 512  # "filtered" tries the top-512 logits before sorting whole rows
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingInputs:
+    """Per-row sampling settings, arrays over the padded batch of S rows."""
+
+    temperature: Float[Array, "S"]  # < GREEDY_EPS (e.g. 0) = greedy
+    top_k: Int[Array, "S"]  # <= 0 or >= V = off
+    top_p: Float[Array, "S"]  # >= 1.0 = off
+    min_p: Float[Array, "S"]  # <= 0.0 = off
+    seeds: Int[Array, "S"]  # uint32/int32 per-request seed
+    sample_index: Int[Array, "S"]  # which of the request's n samples this row is
+    positions: Int[Array, "S"]  # absolute position of the token being sampled
+    suppress_ids: Int[Array, "S M"]  # token ids forbidden this step (-1 = none), e.g. EOS before min_tokens
+    processed: Bool[Array, "S"]  # logprobs of the processed distribution (True) or raw logits (False)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplerOutput:
+    """Sampled tokens and their logprobs (in each row's logprobs mode)."""
+
+    token_ids: Int[Array, "S"]
+    logprobs: Float[Array, "S"]  # logprob of the sampled token in the row's logprobs mode
+    top_ids: Int[Array, "S K"]  # K = num_top_logprobs (static, may be 0); descending logprob
+    top_logprobs: Float[Array, "S K"]
+
+
+def choose_mode(
+    temperature: np.ndarray,
+    top_k: np.ndarray,
+    top_p: np.ndarray,
+    min_p: np.ndarray,
+    *,
+    processed: np.ndarray | None = None,
+    vocab_size: int | None = None,
+) -> Mode:
+    """Cheapest static mode that is exact for these rows (host side, numpy).
+
+    Filters matter for a row if it samples (temperature > 0) or wants processed logprobs
+    (`processed`; None = assume every row does). "greedy" and "random" ignore filters.
+    """
+    temperature = np.asarray(temperature, np.float32)
+    top_k = np.asarray(top_k)
+    sampling = temperature >= GREEDY_EPS
+    relevant = np.ones_like(sampling) if processed is None else sampling | np.asarray(processed, bool)
+    k_on = top_k > 0
+    if vocab_size is not None:
+        k_on &= top_k < vocab_size
+    filt = k_on | (np.asarray(top_p) < 1.0) | (np.asarray(min_p) > 0.0)
+    if np.any(filt & relevant):
+        return "filtered"
+    if np.any(sampling):
+        return "random"
+    return "greedy"
+
+
+def _row_keys(inputs: SamplingInputs) -> jax.Array:
+    """One PRNG key per row: fold_in(fold_in(key(seed), sample_index), position)."""
+
+    def one(seed: jax.Array, index: jax.Array, pos: jax.Array) -> jax.Array:
+        key = jax.random.key(seed)
+        return jax.random.fold_in(jax.random.fold_in(key, index), pos)
+
+    return jax.vmap(one)(inputs.seeds, inputs.sample_index, inputs.positions)
+
+
+def _gumbel(inputs: SamplingInputs, vocab_size: int) -> Float[Array, "S V"]:
+    """Per-row Gumbel noise in vocabulary order (independent of the rest of the batch)."""
+    keys = _row_keys(inputs)
+    return jax.vmap(lambda k: jax.random.gumbel(k, (vocab_size,), jnp.float32))(keys)
+
+
+def _suppress(logits: Float[Array, "S V"], suppress_ids: Int[Array, "S M"]) -> Float[Array, "S V"]:
+    """Set the suppressed ids of each row to -inf (-1 entries, and any out of range, are ignored)."""
+    num_rows, vocab = logits.shape
+    if suppress_ids.shape[1] == 0:
+        return logits
+    ids = jnp.where((suppress_ids >= 0) & (suppress_ids < vocab), suppress_ids, vocab)
+    rows = jnp.broadcast_to(jnp.arange(num_rows)[:, None], ids.shape)
+    return logits.at[rows, ids].set(-jnp.inf, mode="drop")
+
+
+def _prefix_keep(
+    desc: Float[Array, "S C"], log_norm: Float[Array, "S"], inputs: SamplingInputs, vocab: int
+) -> Bool[Array, "S C"]:
+    """top-k, top-p, min-p on a descending prefix of each row (ties already ordered by token id).
+
+    `log_norm` is log(sum exp(l - l_max)) over the top-k set (the top-p normalizer).
+    """
+    rank = lax.broadcasted_iota(jnp.int32, desc.shape, 1)
+    top_k = inputs.top_k.astype(jnp.int32)
+    k_eff = jnp.where((top_k <= 0) | (top_k >= vocab), vocab, top_k)
+    keep = rank < k_eff[:, None]
+
+    # top-p on the top-k-renormalized distribution.
+    ratio = jnp.exp(desc - desc[:, :1])  # p_i / p_max
+    ratio = jnp.where(keep & ~jnp.isnan(ratio), ratio, 0.0)  # nan only if a whole row is -inf
+    probs = ratio / jnp.exp(log_norm)[:, None]
+    cum = jnp.cumsum(probs, axis=1)
+    before = jnp.concatenate([jnp.zeros_like(cum[:, :1]), cum[:, :-1]], axis=1)
+    top_p = inputs.top_p.astype(jnp.float32)[:, None]
+    keep &= (before < top_p) | (top_p >= 1.0) | (rank == 0)
+
+    # min-p: p_i >= min_p * p_max  <=>  exp(l_i - l_max) >= min_p.
+    min_p = inputs.min_p.astype(jnp.float32)[:, None]
+    keep &= (ratio >= min_p) | (min_p <= 0.0)
+    return keep
+
+
+def _scatter_rows(keep: Bool[Array, "S C"], ids: Int[Array, "S C"], vocab: int) -> Bool[Array, "S V"]:
+    """Vocabulary-order mask that is True at ids[r, c] where keep[r, c]."""
+    rows = lax.broadcasted_iota(jnp.int32, ids.shape, 0)
+    return jnp.zeros((ids.shape[0], vocab), jnp.bool_).at[rows, ids].set(keep, unique_indices=True)
+
+
+def _sorted_filter_mask(scaled: Float[Array, "S V"], inputs: SamplingInputs) -> Bool[Array, "S V"]:
+    """Tokens kept by top-k, top-p, min-p: one stable descending sort of each whole row."""
+    num_rows, vocab = scaled.shape
+    iota = lax.broadcasted_iota(jnp.int32, (num_rows, vocab), 1)
+    neg_sorted, order = lax.sort((-scaled, iota), dimension=1, num_keys=1, is_stable=True)
+    desc = -neg_sorted  # descending; ties by ascending token id
+    top_k = inputs.top_k.astype(jnp.int32)
+    in_k = iota < jnp.where((top_k <= 0) | (top_k >= vocab), vocab, top_k)[:, None]
+    log_norm = jax.nn.logsumexp(jnp.where(in_k, desc - desc[:, :1], -jnp.inf), axis=1)
+    return _scatter_rows(_prefix_keep(desc, log_norm, inputs, vocab), order, vocab)
+
+
+def _candidate_filter_mask(
+    scaled: Float[Array, "S V"], inputs: SamplingInputs, needs_filter: Bool[Array, "S"], num_candidates: int
+) -> tuple[Bool[Array, "S V"], Bool[Array, "S"]]:
+    """The same mask from only the `num_candidates` largest logits of each row (`lax.top_k`, no sort).
+
+    Also returns, per row, whether that is provably exact: the row needs no filter, top-k <= C, or
+    the last candidate is already filtered out (so every later token is too).
+    """
+    num_rows, vocab = scaled.shape
+    # Descending, ties by ascending token id. The barrier stops XLA:CPU from turning top_k + slice
+    # back into a full sort.
+    desc, ids = lax.optimization_barrier(lax.top_k(scaled, num_candidates))
+    row_max = desc[:, :1]
+    top_k = inputs.top_k.astype(jnp.int32)
+    k_off = (top_k <= 0) | (top_k >= vocab)
+    k_small = ~k_off & (top_k <= num_candidates)
+    rank = lax.broadcasted_iota(jnp.int32, desc.shape, 1)
+    log_norm_k = jax.nn.logsumexp(jnp.where(rank < top_k[:, None], desc - row_max, -jnp.inf), axis=1)
+    log_norm_all = jax.nn.logsumexp(scaled - row_max, axis=1)
+    log_norm = jnp.where(k_small, log_norm_k, log_norm_all)
+    keep = _prefix_keep(desc, log_norm, inputs, vocab)
+
+    # Filters are monotone in rank: once rank C-1 is dropped, every later rank is too (provided
+    # the top-p normalizer above is the true one: top-k off, small, or top-p off).
+    normalizer_ok = k_off | k_small | (inputs.top_p >= 1.0)
+    exact = ~needs_filter | k_small | (normalizer_ok & ~keep[:, -1])
+    mask = jnp.where(needs_filter[:, None], _scatter_rows(keep, ids, vocab), True)
+    return mask, exact
+
+
+def _filter_mask(
+    scaled: Float[Array, "S V"], inputs: SamplingInputs, greedy: Bool[Array, "S"], num_candidates: int
+) -> Bool[Array, "S V"]:
+    """Tokens kept by top-k, then top-p, then min-p (ties ranked by token id).
+
+    Tries the top-`num_candidates` shortcut first; if any row's kept set may reach past it, the
+    whole batch falls back to one full sort per row (`lax.cond`, so only one branch runs).
+    Greedy rows that want raw logprobs skip filtering (their argmax is always kept anyway).
+    """
+    vocab = scaled.shape[1]
+    top_k = inputs.top_k.astype(jnp.int32)
+    has_filter = (
+        ((top_k > 0) & (top_k < vocab)) | (inputs.top_p < 1.0) | (inputs.min_p > 0.0)
+    )
+    needs_filter = has_filter & (~greedy | inputs.processed.astype(jnp.bool_))
+    if num_candidates >= vocab:
+        return _sorted_filter_mask(scaled, inputs)
+    mask, exact = _candidate_filter_mask(scaled, inputs, needs_filter, num_candidates)
+    return lax.cond(jnp.all(exact), lambda: mask, lambda: _sorted_filter_mask(scaled, inputs))
+
+
+def _token_logprob(logits: Float[Array, "S V"], token_ids: Int[Array, "S"]) -> Float[Array, "S"]:
+    """log_softmax(logits)[row, token] without materializing the full log_softmax."""
+    picked = jnp.take_along_axis(logits, token_ids[:, None], axis=1)[:, 0]
+    return picked - jax.nn.logsumexp(logits, axis=1)
+
+
+@functools.partial(jax.jit, static_argnames=("mode", "num_top_logprobs", "num_candidates"))
+def sample(
+    logits: Float[Array, "S V"],
+    inputs: SamplingInputs,
+    *,
+    mode: Mode,
+    num_top_logprobs: int = 0,
+    num_candidates: int = NUM_CANDIDATES,
+) -> SamplerOutput:
+    """Sample one token per row and return its logprob (and top-K alternatives) in the row's mode.
+
+    `mode` (static): "greedy" = argmax everywhere, no randomness; "random" = temperature only, no
+    filtering and no sort; "filtered" = temperature + top-k + top-p + min-p (one sort per row).
+    Rows with temperature 0 are argmax in every mode. Filters are ignored outside "filtered".
+    `num_candidates` (static): "filtered" first filters the top-C logits of each row and falls back
+    to sorting whole rows only when some row's kept set may extend past them (same result).
+    """
+    if mode not in MODES:
+        raise ValueError(f"unknown sampling mode {mode!r}; expected one of {MODES}")
+    raw = logits.astype(jnp.float32)
+    num_rows, vocab = raw.shape
+    suppressed = _suppress(raw, inputs.suppress_ids)
+
+    temperature = inputs.temperature.astype(jnp.float32)
+    greedy = temperature < GREEDY_EPS
+    if mode == "greedy":
+        processed = suppressed
+        token_ids = jnp.argmax(processed, axis=1).astype(jnp.int32)
+    else:
+        scaled = suppressed / jnp.where(greedy, 1.0, temperature)[:, None]
+        if mode == "filtered":
+            processed = jnp.where(_filter_mask(scaled, inputs, greedy, num_candidates), scaled, -jnp.inf)
+        else:
+            processed = scaled
+        noise = jnp.where(greedy[:, None], 0.0, _gumbel(inputs, vocab))
+        token_ids = jnp.argmax(processed + noise, axis=1).astype(jnp.int32)
+
+    want_processed = inputs.processed.astype(jnp.bool_)
+    if num_top_logprobs > 0:
+        chosen = jnp.where(
+            want_processed[:, None], jax.nn.log_softmax(processed, axis=1), jax.nn.log_softmax(raw, axis=1)
+        )
+        token_logprobs = jnp.take_along_axis(chosen, token_ids[:, None], axis=1)[:, 0]
+        top_logprobs, top_ids = lax.top_k(chosen, min(num_top_logprobs, vocab))
+        top_ids = top_ids.astype(jnp.int32)
+    else:
+        token_logprobs = jnp.where(
+            want_processed, _token_logprob(processed, token_ids), _token_logprob(raw, token_ids)
+        )
+        top_ids = jnp.zeros((num_rows, 0), jnp.int32)
+        top_logprobs = jnp.zeros((num_rows, 0), jnp.float32)
+    return SamplerOutput(
+        token_ids=token_ids, logprobs=token_logprobs, top_ids=top_ids, top_logprobs=top_logprobs
+    )
