@@ -377,9 +377,8 @@ def _gguf_merges(meta: Mapping[str, Any], vocab: Mapping[str, int]) -> list[tupl
     scores = dict(zip(meta["tokenizer.ggml.tokens"], meta.get("tokenizer.ggml.scores") or ()))
     found: list[tuple[str, str, float]] = []
     for merged, score in scores.items():
-        local = [
-            (merged[:i], merged[i:], score) for i in range(1, len(merged)) if merged[:i] in vocab and merged[i:] in vocab
-        ]
+        splits = ((merged[:i], merged[i:]) for i in range(1, len(merged)))
+        local = [(left, right, score) for left, right in splits if left in vocab and right in vocab]
         found.extend(sorted(local, key=lambda x: (vocab[x[0]], vocab[x[1]])))
     found.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
     return [(left, right) for left, right, _ in found]

@@ -1,0 +1,21 @@
+"""weight_sync: move a trainer's parameters into the engine's state, validated, tensor by tensor.
+
+    plan = weight_sync.plan(src_tree, target_state, mapping="hf")   # validate (shapes/dtypes only)
+    weight_sync.apply(plan, src_tree, target_state)                  # sync; repeat with new values
+
+Usable on its own by a trainer: it imports neither `runner` nor `rollout`.
+"""
+
+from weight_sync.apply import apply
+from weight_sync.compiles import CompileCounter
+from weight_sync.errors import WeightSyncError
+from weight_sync.lora import LoraPair, merge_lora, plan_lora
+from weight_sync.paths import FlatTree, flatten
+from weight_sync.plan import SyncPlan, TargetOp, Transform, plan
+from weight_sync.presets import hf, hf_fused, identity, resolve
+from weight_sync.rules import Rule, Split
+
+__all__ = [
+    "CompileCounter", "FlatTree", "LoraPair", "Rule", "Split", "SyncPlan", "TargetOp", "Transform", "WeightSyncError",
+    "apply", "flatten", "hf", "hf_fused", "identity", "merge_lora", "plan", "plan_lora", "resolve",
+]
