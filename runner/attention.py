@@ -4,8 +4,8 @@
 `jax.experimental.pallas.ops.tpu.ragged_paged_attention`: queries packed across requests,
 `kv_pages [pages, page_size, 2 * kv_heads, head_dim]` with K and V interleaved on the head axis
 (K of head h at 2h, V at 2h + 1), `kv_lens`, `page_indices`, `cu_q_lens`, `num_seqs`. The pure-JAX
-version here is the reference and the CPU/GPU path: it gathers each request's pages once (never a
-copy of the context per query token) and its cost follows `page_indices.shape[1]`, the context
+version here is the reference and the CPU/GPU path: it gathers each request's pages once, a few
+pages at a time (never a copy of the context per query token) and its cost follows `page_indices.shape[1]`, the context
 bucket chosen by the caller, never `max_model_len`.
 """
 
@@ -57,33 +57,58 @@ def ragged_paged_attention(
     *,
     sm_scale: float,
     max_q_len: int,
+    pages_per_chunk: int = 4,
 ) -> Float[Array, "T Hq D"]:
-    """Causal attention of packed queries over each sequence's paged context (pure JAX reference)."""
+    """Causal attention of packed queries over each sequence's paged context (pure JAX reference).
+
+    Walks the context `pages_per_chunk` pages at a time (`lax.scan`, online softmax): each chunk of
+    every sequence's pages is gathered once and consumed while it is still in cache. On a 2-core CPU
+    this is ~5x faster than gathering the whole context and then attending (XLA materialises and
+    transposes the gathered copy twice).
+    """
     num_tokens, num_q_heads, head_dim = queries.shape
-    num_seqs_padded, pages_per_seq = page_indices.shape
+    num_rows, pages_per_seq = page_indices.shape
     page_size = kv_pages.shape[1]
     num_kv_heads = kv_pages.shape[2] // 2
     group = num_q_heads // num_kv_heads
-    context = pages_per_seq * page_size
-
-    kv = kv_pages[page_indices].reshape(num_seqs_padded, context, 2 * num_kv_heads, head_dim)
-    k, v = kv[:, :, 0::2], kv[:, :, 1::2]  # [S, L, Hkv, D]
+    chunk = min(pages_per_chunk, pages_per_seq)
+    num_chunks = -(-pages_per_seq // chunk)
+    page_indices = jnp.pad(page_indices, ((0, 0), (0, num_chunks * chunk - pages_per_seq)))
+    chunk_tokens = chunk * page_size
 
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
     q_offsets = jnp.arange(max_q_len, dtype=jnp.int32)
     q_index = jnp.clip(cu_q_lens[:-1, None] + q_offsets[None, :], 0, num_tokens - 1)  # [S, Qm]
-    q = queries[q_index].reshape(num_seqs_padded, max_q_len, num_kv_heads, group, head_dim)
-
-    scores = jnp.einsum("sqhgd,skhd->shgqk", q, k, preferred_element_type=jnp.float32) * sm_scale
+    q = queries[q_index].reshape(num_rows, max_q_len, num_kv_heads, group, head_dim)
+    q = (q.astype(jnp.float32) * sm_scale).astype(queries.dtype)
     q_pos = (kv_lens - q_lens)[:, None] + q_offsets[None, :]  # [S, Qm] absolute position
-    k_pos = jnp.arange(context, dtype=jnp.int32)
-    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < kv_lens[:, None, None])
-    scores = jnp.where(mask[:, None, None], scores, MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("shgqk,skhd->sqhgd", probs, v).reshape(num_seqs_padded, max_q_len, num_q_heads, head_dim)
+
+    def body(carry: tuple[Array, Array, Array], c: Array) -> tuple[tuple[Array, Array, Array], None]:
+        m, l, acc = carry
+        idx = jax.lax.dynamic_slice_in_dim(page_indices, c * chunk, chunk, axis=1)
+        kv = kv_pages[idx].reshape(num_rows, chunk_tokens, 2 * num_kv_heads, head_dim)
+        k, v = kv[:, :, 0::2], kv[:, :, 1::2]  # [S, C, Hkv, D]
+        s = jnp.einsum("sqhgd,skhd->shgqk", q, k, preferred_element_type=jnp.float32)
+        k_pos = c * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32)
+        mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < kv_lens[:, None, None])
+        mask = mask[:, None, None]  # [S, 1, 1, Qm, C]
+        s = jnp.where(mask, s, MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+        l = l * alpha + jnp.sum(p, axis=-1)
+        pv = jnp.einsum("shgqk,skhd->shgqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return (m_new, l, acc * alpha[..., None] + pv), None
+
+    stats_shape = (num_rows, num_kv_heads, group, max_q_len)
+    init = (jnp.full(stats_shape, MASK_VALUE, jnp.float32), jnp.zeros(stats_shape, jnp.float32),
+            jnp.zeros((*stats_shape, head_dim), jnp.float32))
+    (_, l, acc), _ = jax.lax.scan(body, init, jnp.arange(num_chunks))
+    out = jnp.where(l[..., None] > 0, acc / jnp.maximum(l, 1e-30)[..., None], 0.0)  # [S, Hkv, G, Qm, D]
+    out = out.transpose(0, 3, 1, 2, 4).reshape(num_rows, max_q_len, num_q_heads, head_dim)
 
     token = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq_of_token = jnp.clip(jnp.searchsorted(cu_q_lens, token, side="right") - 1, 0, num_seqs_padded - 1)
+    seq_of_token = jnp.clip(jnp.searchsorted(cu_q_lens, token, side="right") - 1, 0, num_rows - 1)
     offset = jnp.clip(token - cu_q_lens[seq_of_token], 0, max_q_len - 1)
     return out[seq_of_token, offset].astype(queries.dtype)
 
