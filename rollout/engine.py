@@ -115,9 +115,13 @@ class Engine:
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         return build_rollout_batch(outputs, pad_id=pad_id, policy_version=self.policy_version)
 
-    def warmup(self) -> int:
-        """Compile every step bucket now (not during the first calls); returns the number of programs."""
-        return self.runner.warmup()
+    def warmup(self, *, prompt_logprobs: bool = False) -> int:
+        """Compile every step bucket now (not during the first calls); returns the number of programs.
+
+        Requests with `prompt_logprobs` use their own prefill programs: pass `prompt_logprobs=True`
+        to compile those too.
+        """
+        return self.runner.warmup(prompt_logprobs=prompt_logprobs)
 
     def stats(self) -> EngineStats:
         """Counters since the engine was built (a copy)."""

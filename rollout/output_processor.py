@@ -36,7 +36,8 @@ class OutputProcessor:
             seq.token_ids.append(token)
             if seq.params.logprobs is not None:
                 seq.output_logprobs.append(float(result.logprobs[i]))
-                seq.output_top.append((result.top_ids[i].tolist(), result.top_logprobs[i].tolist()))
+                k = seq.params.logprobs  # the step returns the batch's largest k
+                seq.output_top.append((result.top_ids[i, :k].tolist(), result.top_logprobs[i, :k].tolist()))
             if self._check_stop(seq, token):
                 self.scheduler.finish(seq)
                 finished.append(seq)
@@ -47,8 +48,9 @@ class OutputProcessor:
             position = seq.num_computed_tokens + j
             if position + 1 < seq.num_prompt_tokens and position == len(seq.prompt_logprobs):
                 seq.prompt_logprobs.append(float(result.token_logprobs[offset + j]))
-                seq.prompt_top.append((result.token_top_ids[offset + j].tolist(),
-                                       result.token_top_logprobs[offset + j].tolist()))
+                k = seq.params.prompt_logprobs
+                seq.prompt_top.append((result.token_top_ids[offset + j, :k].tolist(),
+                                       result.token_top_logprobs[offset + j, :k].tolist()))
 
     def _check_stop(self, seq: Sequence, token: int) -> bool:
         p = seq.params

@@ -47,5 +47,5 @@ def build_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...]) -> StepBat
         sample_index=np.array([s.sample_index for s in seqs], np.int32),
         processed=np.array([p.logprobs_mode == "processed" for p in params], bool),
         suppress_ids=suppress,
-        num_top_logprobs=max((p.logprobs or 0 for p in params), default=0),
+        num_top_logprobs=max((max(p.logprobs or 0, p.prompt_logprobs or 0) for p in params), default=0),
         target_ids=target_ids)

@@ -61,8 +61,10 @@ def ragged_paged_attention(
 ) -> Float[Array, "T Hq D"]:
     """Causal attention of packed queries over each sequence's paged context (pure JAX reference).
 
-    Walks the context `pages_per_chunk` pages at a time (`lax.scan`, online softmax): each chunk of
-    every sequence's pages is gathered once and consumed while it is still in cache. On a 2-core CPU
+    Walks the context `pages_per_chunk` pages at a time (`lax.while_loop`, online softmax) up to the
+    longest real context in the step, so the cost follows the live context, not the padded width of
+    `page_indices`. Each chunk of every sequence's pages is gathered once and consumed while it is
+    still in cache. On a 2-core CPU
     this is ~5x faster than gathering the whole context and then attending (XLA materialises and
     transposes the gathered copy twice).
     """
@@ -83,8 +85,8 @@ def ragged_paged_attention(
     q = (q.astype(jnp.float32) * sm_scale).astype(queries.dtype)
     q_pos = (kv_lens - q_lens)[:, None] + q_offsets[None, :]  # [S, Qm] absolute position
 
-    def body(carry: tuple[Array, Array, Array], c: Array) -> tuple[tuple[Array, Array, Array], None]:
-        m, l, acc = carry
+    def body(carry: tuple[Array, Array, Array, Array]) -> tuple[Array, Array, Array, Array]:
+        c, m, l, acc = carry
         idx = jax.lax.dynamic_slice_in_dim(page_indices, c * chunk, chunk, axis=1)
         kv = kv_pages[idx].reshape(num_rows, chunk_tokens, 2 * num_kv_heads, head_dim)
         k, v = kv[:, :, 0::2], kv[:, :, 1::2]  # [S, C, Hkv, D]
@@ -98,12 +100,14 @@ def ragged_paged_attention(
         p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
         l = l * alpha + jnp.sum(p, axis=-1)
         pv = jnp.einsum("shgqk,skhd->shgqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        return (m_new, l, acc * alpha[..., None] + pv), None
+        return c + 1, m_new, l, acc * alpha[..., None] + pv
 
     stats_shape = (num_rows, num_kv_heads, group, max_q_len)
-    init = (jnp.full(stats_shape, MASK_VALUE, jnp.float32), jnp.zeros(stats_shape, jnp.float32),
+    init = (jnp.int32(0), jnp.full(stats_shape, MASK_VALUE, jnp.float32), jnp.zeros(stats_shape, jnp.float32),
             jnp.zeros((*stats_shape, head_dim), jnp.float32))
-    (_, l, acc), _ = jax.lax.scan(body, init, jnp.arange(num_chunks))
+    # The trip count follows the longest real context of this step, not the padded width.
+    num_live = jnp.minimum(-(-jnp.max(kv_lens) // chunk_tokens), num_chunks)
+    _, _, l, acc = jax.lax.while_loop(lambda carry: carry[0] < num_live, body, init)
     out = jnp.where(l[..., None] > 0, acc / jnp.maximum(l, 1e-30)[..., None], 0.0)  # [S, Hkv, G, Qm, D]
     out = out.transpose(0, 3, 1, 2, 4).reshape(num_rows, max_q_len, num_q_heads, head_dim)
 

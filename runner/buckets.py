@@ -25,14 +25,18 @@ def pick(buckets: tuple[int, ...], n: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class BucketConfig:
-    """Bucket sizes for decode (sequences), prefill (tokens) and context (KV pages per sequence)."""
+    """Bucket sizes for decode (sequences) and prefill (tokens).
+
+    Context needs no bucket: `page_indices` is always `max_pages_per_seq` wide, and attention walks
+    it only up to the step's longest real context (a dynamic trip count), so its cost follows the
+    live context while one program serves every length.
+    """
 
     max_num_seqs: int
     max_num_batched_tokens: int
     max_pages_per_seq: int
     min_seqs: int = 8
     min_tokens: int = 32
-    min_pages: int = 8
     query_block: int = 32  # prefill queries are attended in pieces of at most this many tokens
 
     def __post_init__(self) -> None:
@@ -49,7 +53,7 @@ class BucketConfig:
 
     @property
     def page_buckets(self) -> tuple[int, ...]:
-        return pow2_buckets(min(self.min_pages, self.max_pages_per_seq), self.max_pages_per_seq)
+        return (self.max_pages_per_seq,)
 
     def prefill_rows(self, num_tokens: int) -> int:
         """Sampling rows of a prefill step of `num_tokens` (padded) tokens."""

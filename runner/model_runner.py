@@ -133,7 +133,8 @@ class ModelRunner:
         device_batch = jax.device_put(self._pad(batch))
         self.kv_caches, out, extra = _jitted_step(
             self.graphdef, self.params, self.rest, self.kv_caches, device_batch,
-            num_top=self.max_logprobs, token_logprobs=batch.target_ids is not None)
+            num_top=self.max_logprobs if batch.num_top_logprobs > 0 else 0,
+            token_logprobs=batch.target_ids is not None)
         out, extra = jax.device_get((out, extra))
         k = batch.num_top_logprobs
         result = StepResult(out.token_ids[:num_seqs], out.logprobs[:num_seqs],
@@ -213,14 +214,25 @@ class ModelRunner:
         filtering = np.any((b.top_k > 0) | (b.top_p < 1.0) | (b.min_p > 0.0))
         return SAMPLER_MODES.index("filtered" if filtering else "random")
 
-    def warmup(self) -> int:
-        """Compile every bucket by running dummy steps whose K/V writes are all dropped; returns the count."""
+    def warmup(self, *, prompt_logprobs: bool = False) -> int:
+        """Compile every bucket by running dummy steps whose K/V writes are all dropped; returns the count.
+
+        `prompt_logprobs=True` also compiles the prefill programs that return per-token logprobs.
+        """
         bk = self.buckets
         shapes = [(True, s, p) for s, p in itertools.product(bk.seq_buckets, bk.page_buckets)]
         shapes += [(False, t, p) for t, p in itertools.product(bk.token_buckets, bk.page_buckets)]
-        for decode, n, pages in shapes:
-            self.run(self._dummy(decode, n, pages))
-        return len(shapes)
+        tops = (0, 1) if self.max_logprobs > 0 else (0,)
+        count = 0
+        for (decode, n, pages), top in itertools.product(shapes, tops):
+            dummy = dataclasses.replace(self._dummy(decode, n, pages), num_top_logprobs=top)
+            variants = [dummy]
+            if prompt_logprobs and not decode:
+                variants.append(dataclasses.replace(dummy, target_ids=np.zeros_like(dummy.token_ids)))
+            for step in variants:
+                self.run(step)
+                count += 1
+        return count
 
     def _dummy(self, decode: bool, n: int, pages: int) -> StepBatch:
         """A step of bucket shape (n sequences for decode, n tokens for prefill; `pages` of context)."""
