@@ -9,6 +9,8 @@ from typing import Sequence as Seq
 import numpy as np
 from tqdm import tqdm
 
+import weight_sync
+
 from rollout.block_manager import BlockManager
 from rollout.engine_config import EngineConfig, EngineStats
 from rollout.output_processor import OutputProcessor
@@ -71,7 +73,8 @@ class Engine:
 
     @classmethod
     def from_model(cls, model: LlamaForCausalLM, tokenizer: Tokenizer, **config: object) -> "Engine":
-        """Serve a model the trainer already holds (its parameters are shared, not copied)."""
+        """Serve a model the trainer already holds (the engine keeps its own copy of the parameters;
+        push updates with `sync_weights`)."""
         return cls(model, tokenizer, EngineConfig(**config))
 
     # ---- public API -------------------------------------------------------------------------
@@ -114,6 +117,30 @@ class Engine:
         outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         return build_rollout_batch(outputs, pad_id=pad_id, policy_version=self.policy_version)
+
+    def sync_weights(self, params: object, mapping: str | tuple | list | None = None, *,
+                     version: int | None = None, check_finite: bool = False) -> None:
+        """Put new policy parameters into the engine in place: no reload, no recompilation.
+
+        `params` is the trainer's pytree: an `nnx.State` of this model class (mapping None), HF
+        names and `[out, in]` layouts (mapping "hf"), or any tree with a `weight_sync` rule list.
+        Everything is validated first (one error lists every problem, weights untouched). The KV
+        cache allocation is kept; cached prefixes are dropped (their K/V came from old weights).
+        Outputs record `version` (default: previous version + 1) as their `policy_version`.
+        """
+        if self._generating:
+            raise RuntimeError("sync_weights() was called while generate() is running; "
+                               "call it between generate()/rollout() calls")
+        plan = weight_sync.plan(params, self.runner.params, mapping)  # cached per tree structure
+        weight_sync.apply(plan, params, self.runner.params, check_finite=check_finite)
+        self.block_manager.invalidate_prefix_cache()
+        self.policy_version = version if version is not None else (self.policy_version or 0) + 1
+        self.stats_.num_weight_syncs += 1
+
+    @property
+    def model(self) -> LlamaForCausalLM:
+        """The model bound to the engine's current parameters (for a reference forward pass)."""
+        return self.runner.model
 
     def warmup(self, *, prompt_logprobs: bool = False) -> int:
         """Compile every step bucket now (not during the first calls); returns the number of programs.

@@ -50,6 +50,7 @@ class EngineStats:
     prefix_cache_hit_tokens: int = 0
     prefix_cache_queried_tokens: int = 0
     num_compilations: int = 0
+    num_weight_syncs: int = 0
     generate_seconds: float = 0.0
 
     @property

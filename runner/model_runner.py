@@ -115,7 +115,11 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, kv_spec: KVCacheSpec, buckets: BucketConfig,
                  *, max_logprobs: int = 20) -> None:
-        self.graphdef, self.params, self.rest = nnx.split(model, nnx.Param, ...)
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        # The runner owns its copy: a trainer may update or donate its own arrays at any time.
+        self.graphdef = graphdef
+        self.params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)
+        self.rest = jax.tree.map(lambda x: jnp.array(x, copy=True), rest)
         self.kv_spec = kv_spec
         self.kv_caches = allocate_kv_caches(kv_spec)
         self.buckets = buckets
