@@ -7,6 +7,7 @@ import time
 from typing import Sequence as Seq
 
 import numpy as np
+from jax.sharding import Mesh
 from tqdm import tqdm
 
 import weight_sync
@@ -27,6 +28,7 @@ from runner.kv_cache import KVCacheSpec
 from runner.model_runner import MAX_SUPPRESS, ModelRunner
 from runner.models.llama import LlamaForCausalLM
 from runner.models.loader import load_model
+from runner.sharding import make_mesh
 
 Prompt = str | list[int]
 
@@ -34,7 +36,8 @@ Prompt = str | list[int]
 class Engine:
     """Continuous-batching rollout engine over a paged KV cache."""
 
-    def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer, config: EngineConfig) -> None:
+    def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer, config: EngineConfig,
+                 mesh: Mesh | tuple[int, int] | None = None) -> None:
         cfg = model.config
         self.config = config
         self.tokenizer = tokenizer
@@ -51,7 +54,7 @@ class Engine:
             raise ValueError(f"the KV cache ({kv_spec.num_blocks} blocks of {block_size}) cannot hold one sequence "
                              f"of max_model_len={config.max_model_len}; give at least {max_pages} blocks")
         buckets = BucketConfig(config.max_num_seqs, config.max_num_batched_tokens, max_pages)
-        self.runner = ModelRunner(model, kv_spec, buckets, max_logprobs=config.max_logprobs)
+        self.runner = ModelRunner(model, kv_spec, buckets, max_logprobs=config.max_logprobs, mesh=make_mesh(mesh))
         self.block_manager = BlockManager(kv_spec.num_blocks, block_size,
                                           enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
@@ -65,17 +68,23 @@ class Engine:
         self._generating = False
 
     @classmethod
-    def from_pretrained(cls, path: str | None = None, *, dtype: str = "float32", **config: object) -> "Engine":
-        """Load a HF directory, a `.gguf` file, or (None) the embedded SmolLM2-135M-Instruct."""
+    def from_pretrained(cls, path: str | None = None, *, dtype: str = "float32",
+                        mesh: Mesh | tuple[int, int] | None = None, **config: object) -> "Engine":
+        """Load a HF directory, a `.gguf` file, or (None) the embedded SmolLM2-135M-Instruct.
+
+        `mesh`: None (one device), a `(data, model)` size pair, or a Mesh with those axes.
+        """
         engine_config = EngineConfig(**config)  # validate before the (slow) load
+        make_mesh(mesh)
         model, _ = load_model(path, dtype=dtype)
-        return cls(model, load_tokenizer(path), engine_config)
+        return cls(model, load_tokenizer(path), engine_config, mesh)
 
     @classmethod
-    def from_model(cls, model: LlamaForCausalLM, tokenizer: Tokenizer, **config: object) -> "Engine":
+    def from_model(cls, model: LlamaForCausalLM, tokenizer: Tokenizer, *,
+                   mesh: Mesh | tuple[int, int] | None = None, **config: object) -> "Engine":
         """Serve a model the trainer already holds (the engine keeps its own copy of the parameters;
         push updates with `sync_weights`)."""
-        return cls(model, tokenizer, EngineConfig(**config))
+        return cls(model, tokenizer, EngineConfig(**config), mesh)
 
     # ---- public API -------------------------------------------------------------------------
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,

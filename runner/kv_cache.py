@@ -45,7 +45,7 @@ class KVCacheSpec:
 
 
 def allocate_kv_caches(spec: KVCacheSpec, sharding: jax.sharding.Sharding | None = None) -> KVCaches:
-    """Zeroed caches, one array per layer."""
+    """Zeroed caches, one array per layer (created directly in `sharding` when given)."""
     shape = (spec.num_blocks, spec.block_size, 2 * spec.num_kv_heads, spec.head_dim)
     make = jax.jit(lambda: jnp.zeros(shape, spec.dtype), out_shardings=sharding)
     return tuple(make() for _ in range(spec.num_layers))

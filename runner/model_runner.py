@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int
 
 from runner.attention import AttentionMetadata
@@ -23,6 +24,7 @@ from runner.buckets import BucketConfig, pick
 from runner.kv_cache import KVCacheSpec, allocate_kv_caches
 from runner.models.llama import KVCaches, LlamaForCausalLM
 from runner.sampler import SamplerOutput, SamplingInputs, sample
+from runner.sharding import kv_cache_sharding, make_mesh, shard_params
 
 SAMPLER_MODES = ("greedy", "random", "filtered")
 MAX_SUPPRESS = 8  # ids a request may forbid per step (EOS + stop ids before min_tokens)
@@ -114,17 +116,30 @@ class ModelRunner:
     """Owns the model's device state, the paged KV caches and the compiled step programs."""
 
     def __init__(self, model: LlamaForCausalLM, kv_spec: KVCacheSpec, buckets: BucketConfig,
-                 *, max_logprobs: int = 20) -> None:
+                 *, max_logprobs: int = 20, mesh: Mesh | None = None) -> None:
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        # The runner owns its copy: a trainer may update or donate its own arrays at any time.
+        self.mesh = mesh if mesh is not None else make_mesh(None)
         self.graphdef = graphdef
-        self.params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)
-        self.rest = jax.tree.map(lambda x: jnp.array(x, copy=True), rest)
+        # The runner owns its copy (a trainer may update or donate its arrays at any time), laid out
+        # by the sharding rules; device_put to a new sharding copies, so copy explicitly otherwise.
+        self.params = shard_params(jax.tree.map(lambda x: jnp.array(x, copy=True), params), self.mesh)
+        self.rest = jax.device_put(jax.tree.map(lambda x: jnp.array(x, copy=True), rest),
+                                   NamedSharding(self.mesh, PartitionSpec()))
         self.kv_spec = kv_spec
-        self.kv_caches = allocate_kv_caches(kv_spec)
+        shape = (kv_spec.num_blocks, kv_spec.block_size, 2 * kv_spec.num_kv_heads, kv_spec.head_dim)
+        self.kv_caches = allocate_kv_caches(kv_spec, kv_cache_sharding(shape, self.mesh))
+        self._replicated = NamedSharding(self.mesh, PartitionSpec())
+        self._rows = NamedSharding(self.mesh, PartitionSpec("data"))
         self.buckets = buckets
         self.max_logprobs = max_logprobs
         self.config = model.config
+
+    def _batch_sharding(self, x: np.ndarray) -> NamedSharding:
+        """Data parallelism: split a step array's leading axis over `data` when it divides evenly."""
+        data = self.mesh.shape["data"]
+        if data > 1 and np.ndim(x) >= 1 and np.shape(x)[0] % data == 0:
+            return self._rows
+        return self._replicated
 
     @property
     def model(self) -> LlamaForCausalLM:
@@ -134,7 +149,8 @@ class ModelRunner:
     def run(self, batch: StepBatch) -> StepResult:
         """Pad, run one compiled step, and return the sampled tokens."""
         num_seqs, num_tokens = len(batch.q_lens), len(batch.token_ids)
-        device_batch = jax.device_put(self._pad(batch))
+        padded = self._pad(batch)
+        device_batch = jax.device_put(padded, jax.tree.map(self._batch_sharding, padded))
         self.kv_caches, out, extra = _jitted_step(
             self.graphdef, self.params, self.rest, self.kv_caches, device_batch,
             num_top=self.max_logprobs if batch.num_top_logprobs > 0 else 0,

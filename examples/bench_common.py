@@ -1,0 +1,206 @@
+"""Shared helpers for the `examples/bench_*.py` benchmarks (see `../shared/bench/WORKLOAD.md`).
+
+- `cpu_settings()`: the CPU knobs in effect (XLA_FLAGS, thread counts, tcmalloc via LD_PRELOAD),
+  so that a printed figure says what it was measured under;
+- `RssSampler`: peak resident set size over a region (a background thread polling psutil), next
+  to `peak_rss_bytes()`, the process high-water mark from `getrusage`;
+- `measure_bandwidth()` / `measure_matmul_flops()` / `roofline_tokens_per_s()`: the machine's
+  physical limit for decode, measured in the same run as the benchmark;
+- `timed_median()`: one untimed warm-up, then the median wall time of N repeats;
+- `print_table()` / `json_line()`: the output conventions (one line per run, one final JSON line).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+# The workload's physical limit (WORKLOAD.md, "The physical limit"): SmolLM2-135M, float32.
+WEIGHT_BYTES_PER_STEP = 0.54e9  # decode reads every weight once per step
+FLOPS_PER_TOKEN = 0.27e9  # ~2 x 135M parameters
+
+
+# ---- settings --------------------------------------------------------------------------------
+def cpu_settings(torch_module: Any = None) -> dict[str, Any]:
+    """The CPU settings in effect: env knobs, usable cores, tcmalloc, torch threads (if imported)."""
+    ld_preload = os.environ.get("LD_PRELOAD", "")
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        usable = os.cpu_count()
+    out: dict[str, Any] = {
+        "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
+        "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", ""),
+        "cpu_count": os.cpu_count(),
+        "usable_cores": usable,
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+        "MKL_NUM_THREADS": os.environ.get("MKL_NUM_THREADS"),
+        "LD_PRELOAD": ld_preload,
+        "tcmalloc_preloaded": "tcmalloc" in ld_preload,
+    }
+    if torch_module is not None:
+        out["torch_num_threads"] = torch_module.get_num_threads()
+        out["torch_num_interop_threads"] = torch_module.get_num_interop_threads()
+    return out
+
+
+# ---- memory ----------------------------------------------------------------------------------
+def peak_rss_bytes() -> int:
+    """The process's RSS high-water mark since start (getrusage; Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def current_rss_bytes() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+class RssSampler:
+    """`with RssSampler() as s: ...` -> `s.peak` is the largest RSS seen during the block (bytes)."""
+
+    def __init__(self, interval_s: float = 0.02) -> None:
+        import psutil
+
+        self._proc = psutil.Process()
+        self._interval = interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.peak = 0
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+            self._stop.wait(self._interval)
+
+    def __enter__(self) -> "RssSampler":
+        self.peak = self._proc.memory_info().rss
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        assert self._thread is not None
+        self._thread.join()
+        self.peak = max(self.peak, self._proc.memory_info().rss)
+
+
+# ---- the machine's limits --------------------------------------------------------------------
+def _best_of(fn: Callable[[], None], repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5) -> dict[str, float]:
+    """Memory bandwidth in bytes/s, best of `repeats`, on arrays well beyond the caches.
+
+    Two measurements: a numpy copy (STREAM "copy" convention: read + write = 2 x nbytes, one
+    thread) and a jitted JAX sum (read-only, XLA's threads: closer to how decode streams the
+    weights). `bandwidth` is the larger, so the roofline is an upper bound, not flattering.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    n = nbytes // 4
+    src = np.ones(n, dtype=np.float32)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # touch the pages
+    copy_s = _best_of(lambda: np.copyto(dst, src), repeats)
+    del dst
+    x = jnp.asarray(src)
+    del src
+    total = jax.jit(lambda a: jnp.sum(a))
+    total(x).block_until_ready()
+    read_s = _best_of(lambda: total(x).block_until_ready(), repeats)
+    del x
+    copy_bw, read_bw = 2 * nbytes / copy_s, nbytes / read_s
+    return {"numpy_copy_Bps": copy_bw, "jax_read_Bps": read_bw, "bandwidth": max(copy_bw, read_bw)}
+
+
+def measure_matmul_flops(shapes: Sequence[tuple[int, int, int]] = ((64, 576, 1536), (512, 576, 1536), (1024, 1024, 1024)),
+                         repeats: int = 5) -> dict[str, float]:
+    """f32 matmul FLOP/s of jitted `[M, K] @ [K, N]` (model-shaped: hidden 576, MLP 1536), best of
+    `repeats` per shape; `flops` is the largest (again an upper bound)."""
+    import jax
+    import jax.numpy as jnp
+
+    out: dict[str, float] = {}
+    rng = np.random.default_rng(0)
+    mm = jax.jit(jnp.matmul)
+    for m, k, n in shapes:
+        a = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32))
+        b = jnp.asarray(rng.standard_normal((k, n), dtype=np.float32))
+        mm(a, b).block_until_ready()
+        reps = max(repeats, int(2e9 // (2 * m * k * n)))  # at least ~2 GFLOP per measurement
+        s = _best_of(lambda: mm(a, b).block_until_ready(), reps)
+        out[f"matmul_{m}x{k}x{n}_flops"] = 2 * m * k * n / s
+    out["flops"] = max(out.values())
+    return out
+
+
+def roofline_tokens_per_s(batch: int, bandwidth: float, flops: float) -> float:
+    """Upper bound on decode tokens/s at batch size `batch`: min(memory bound, compute bound)."""
+    return min(bandwidth / WEIGHT_BYTES_PER_STEP * batch, flops / FLOPS_PER_TOKEN)
+
+
+# ---- timing ----------------------------------------------------------------------------------
+def timed_median(fn: Callable[[], Any], repeats: int, *, before_each: Callable[[], None] | None = None,
+                 warmup: bool = True) -> tuple[float, list[float], Any, int]:
+    """Run `fn` once untimed (warm-up), then `repeats` timed times.
+
+    `before_each` runs (untimed) before every call, e.g. to clear a cache. Returns
+    (median seconds, all seconds, the last result, peak RSS bytes over the timed calls).
+    """
+    if warmup:
+        if before_each is not None:
+            before_each()
+        fn()
+    times: list[float] = []
+    result = None
+    peak = 0
+    for _ in range(repeats):
+        if before_each is not None:
+            before_each()
+        with RssSampler() as rss:
+            t0 = time.perf_counter()
+            result = fn()
+            times.append(time.perf_counter() - t0)
+        peak = max(peak, rss.peak)
+    return statistics.median(times), times, result, peak
+
+
+# ---- output ----------------------------------------------------------------------------------
+def mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.0f} MiB"
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    """A plain left-aligned text table."""
+    cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    for j, r in enumerate(cells):
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+        if j == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def json_line(obj: dict[str, Any], path: str | None = None) -> str:
+    """One compact JSON line (printed by the caller); also written to `path` if given."""
+    line = json.dumps(obj, separators=(",", ":"), default=float)
+    if path:
+        with open(path, "w") as f:
+            f.write(line + "\n")
+    return line

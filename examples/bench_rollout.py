@@ -1,0 +1,355 @@
+"""Workloads R1 and R2 (../shared/bench/WORKLOAD.md): rollout throughput vs Hugging Face `generate`.
+
+Both sides run SmolLM2-135M-Instruct in float32 from the same GGUF (the embedded default model),
+on the same prompt token ids (tokenized once with `rollout.tokenizer.load_tokenizer(None)`), with
+the same number of new tokens per sequence (EOS masked until then: `min_tokens = max_tokens`,
+HF `min_new_tokens = max_new_tokens`).
+
+- R1: B prompts (i = 0..B-1), n = 1, 128 new tokens, greedy and sampling (temperature 1, top_p 1,
+  no top-k, seed 0); once more at the largest B with the sampled token's logprob returned (HF:
+  `output_logits=True, return_dict_in_generate=True`, then log-softmax + gather, so both sides do
+  the same work).
+- R2: 8 long prompts (24-rule preamble + R1 prompt i) x n = 8, 64 new tokens, temperature 1,
+  logprobs on; against 64 distinct long prompts (i = 0..63) x n = 1 in the same run. Two
+  "distinct" rows: the engine as it is (its prefix cache still shares the common preamble across
+  the distinct prompts) and, for reference, with the prefix cache switched off for that run (no
+  sharing at all). HF gets `num_return_sequences = n` (it expands the prompts before prefill).
+
+Metric: generated tokens / wall seconds of the whole generate call (prefill included), median of
+`--repeats` after one untimed warm-up of the same shape. The engine's prefix cache is cleared
+before every call (else the warm-up would leave every prompt cached). Per run: peak RSS of the
+process during the timed calls; our tokens/s as a fraction of the roofline
+min(bandwidth / 0.54 GB x B, FLOP/s / 0.27 GFLOP), both machine figures measured at the start of
+this run. Our side runs first; the engine is then freed and the HF model loaded, so the HF
+column's RSS includes whatever the freed engine left behind (`rss_*` fields in the JSON say how much).
+
+Run: `python examples/bench_rollout.py` (full; slow on a small CPU), `--quick` to smoke-test,
+`--no-baseline` to skip transformers, `--workloads R1`, `--batch-sizes 1,8`, `--repeats 5`,
+`--json-out out.json`. Ends with one JSON line holding every figure.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_common
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import time  # noqa: E402
+from typing import Any  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+import bench_common as bc  # noqa: E402
+
+PREAMBLE = " ".join(f"Rule {k}: answer briefly, show each step, and check the arithmetic." for k in range(1, 25))
+
+
+def r1_prompt(i: int) -> str:
+    return f"Question {i}: Write a short paragraph about the number {i} and why it is interesting. Answer:"
+
+
+def r2_prompt(i: int) -> str:
+    return PREAMBLE + " " + r1_prompt(i)
+
+
+def build_runs(args: argparse.Namespace, tok: Any) -> list[dict[str, Any]]:
+    """Every run: its label, prompt token ids, n, new tokens, sampling mode."""
+    runs: list[dict[str, Any]] = []
+    workloads = {w.strip().upper() for w in args.workloads.split(",") if w.strip()}
+    if "R1" in workloads:
+        r1_ids = [tok.encode(r1_prompt(i)) for i in range(max(args.batch_sizes))]
+        for b in args.batch_sizes:
+            for mode in ("greedy", "sampling"):
+                runs.append(dict(workload="R1", label=f"B={b}", mode=mode, prompts=r1_ids[:b], n=1,
+                                 max_tokens=args.r1_tokens, temperature=0.0 if mode == "greedy" else 1.0,
+                                 logprobs=None, prefix_cache=True))
+        b = max(args.batch_sizes)
+        runs.append(dict(workload="R1", label=f"B={b}", mode="sampling+logprob", prompts=r1_ids[:b], n=1,
+                         max_tokens=args.r1_tokens, temperature=1.0, logprobs=0, prefix_cache=True))
+    if "R2" in workloads:
+        p, n = args.r2_prompts, args.r2_n
+        r2_ids = [tok.encode(r2_prompt(i)) for i in range(p * n)]
+        common = dict(workload="R2", mode="sampling+logprob", max_tokens=args.r2_tokens, temperature=1.0, logprobs=0)
+        runs.append(dict(common, label=f"{p}x n={n}", prompts=r2_ids[:p], n=n, prefix_cache=True))
+        runs.append(dict(common, label=f"{p * n} distinct", prompts=r2_ids, n=1, prefix_cache=True))
+        if not args.no_r2_nocache:
+            runs.append(dict(common, label=f"{p * n} distinct, no prefix cache", prompts=r2_ids, n=1,
+                             prefix_cache=False, hf_same_as=f"{p * n} distinct"))
+    for r in runs:
+        r["seqs"] = len(r["prompts"]) * r["n"]
+        r["key"] = f"{r['workload']} {r['label']} {r['mode']}"
+    return runs
+
+
+# ---- our engine --------------------------------------------------------------------------------
+def run_ours(args: argparse.Namespace, runs: list[dict[str, Any]], tok: Any, max_model_len: int) -> dict[str, Any]:
+    from rollout import Engine, SamplingParams
+
+    rss0 = bc.current_rss_bytes()
+    t0 = time.perf_counter()
+    engine = Engine.from_pretrained(None, max_num_seqs=64, max_model_len=max_model_len,
+                                    max_num_batched_tokens=args.max_num_batched_tokens)
+    load_s = time.perf_counter() - t0
+    rss_loaded = bc.current_rss_bytes()
+    print(f"engine loaded in {load_s:.1f}s: max_num_seqs=64 max_model_len={max_model_len} "
+          f"max_num_batched_tokens={args.max_num_batched_tokens}; RSS {bc.mib(rss0)} -> {bc.mib(rss_loaded)}", flush=True)
+    bm = engine.block_manager
+
+    for r in runs:
+        sp = SamplingParams(n=r["n"], temperature=r["temperature"], seed=0, max_tokens=r["max_tokens"],
+                            min_tokens=r["max_tokens"], logprobs=r["logprobs"])
+        prompts = r["prompts"]
+        bm.enable_prefix_caching = r["prefix_cache"]  # benchmark-only switch (see the R2 "no prefix cache" row)
+
+        def call() -> list[Any]:
+            return engine.generate(prompts, sp)
+
+        bm.invalidate_prefix_cache()
+        t = time.perf_counter()
+        call()  # warm-up of the same shape (compiles what it needs)
+        warm_s = time.perf_counter() - t
+        compiles0 = engine.stats().num_compilations
+        s0 = engine.stats()
+        med, times, outs, peak = bc.timed_median(call, args.repeats, before_each=bm.invalidate_prefix_cache, warmup=False)
+        s1 = engine.stats()
+        bm.enable_prefix_caching = True
+        lens = [len(c.token_ids) for o in outs for c in o.outputs]
+        tokens = sum(lens)
+        if len(lens) != r["seqs"] or set(lens) != {r["max_tokens"]}:
+            print(f"  WARNING {r['key']}: expected {r['seqs']} x {r['max_tokens']} tokens, got lengths {sorted(set(lens))}"
+                  f" over {len(lens)} sequences")
+        if r["logprobs"] is not None:
+            missing = sum(1 for o in outs for c in o.outputs if not c.logprobs or len(c.logprobs) != len(c.token_ids))
+            if missing:
+                print(f"  WARNING {r['key']}: {missing} sequences lack per-token logprobs")
+        reps = args.repeats
+        r["ours"] = dict(
+            tokens=tokens, seconds_median=med, seconds_all=[round(x, 4) for x in times], tok_s=tokens / med,
+            warmup_s=round(warm_s, 3), peak_rss=peak, compiles_in_timed_calls=s1.num_compilations - compiles0,
+            steps_per_call=(s1.num_steps - s0.num_steps) / reps,
+            prefill_steps_per_call=(s1.num_prefill_steps - s0.num_prefill_steps) / reps,
+            prefill_tokens_per_call=(s1.prefill_tokens - s0.prefill_tokens) / reps,
+            prefix_hit_tokens_per_call=(s1.prefix_cache_hit_tokens - s0.prefix_cache_hit_tokens) / reps,
+            prefix_queried_tokens_per_call=(s1.prefix_cache_queried_tokens - s0.prefix_cache_queried_tokens) / reps,
+            preemptions=s1.num_preemptions - s0.num_preemptions,
+        )
+        if r["mode"] == "greedy":
+            r["ours_token_ids"] = [c.token_ids for o in outs for c in o.outputs]
+        o = r["ours"]
+        extra = ""
+        if r["workload"] == "R2":
+            extra = (f"  prefill tokens {o['prefill_tokens_per_call']:.0f}, prefix hits "
+                     f"{o['prefix_hit_tokens_per_call']:.0f}/{o['prefix_queried_tokens_per_call']:.0f} tokens")
+        print(f"  ours {r['key']:<42} {o['tok_s']:8.1f} tok/s  ({med:.2f}s; warm-up {warm_s:.1f}s; "
+              f"{o['steps_per_call']:.0f} steps; {o['compiles_in_timed_calls']} compiles timed){extra}", flush=True)
+
+    stats = engine.stats()
+    info = dict(load_s=round(load_s, 2), rss_before_load=rss0, rss_after_load=rss_loaded,
+                num_compilations=stats.num_compilations, num_preemptions=stats.num_preemptions,
+                param_bytes=int(sum(x.nbytes for x in __import__("jax").tree.leaves(engine.runner.params))))
+    del engine
+    gc.collect()
+    info["rss_after_free"] = bc.current_rss_bytes()
+    return info
+
+
+# ---- Hugging Face transformers -----------------------------------------------------------------
+def run_hf(args: argparse.Namespace, runs: list[dict[str, Any]], pad_id: int) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from runner.models.default_model import default_model_path
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    settings = bc.cpu_settings(torch)
+    print(f"torch {torch.__version__}: num_threads={settings['torch_num_threads']} "
+          f"interop_threads={settings['torch_num_interop_threads']} (defaults)", flush=True)
+    gguf = default_model_path()
+    rss0 = bc.current_rss_bytes()
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf),
+                                                 dtype=torch.float32)
+    model.eval()
+    load_s = time.perf_counter() - t0
+    rss_loaded = bc.current_rss_bytes()
+    print(f"HF model loaded in {load_s:.1f}s ({type(model).__name__}, {model.dtype}); "
+          f"RSS {bc.mib(rss0)} -> {bc.mib(rss_loaded)}", flush=True)
+
+    done: dict[str, dict[str, Any]] = {}
+    for r in runs:
+        if "hf_same_as" in r and r["hf_same_as"] in done:  # HF has no prefix cache: the same call as that row
+            continue
+        width = max(len(p) for p in r["prompts"])
+        ids = torch.full((len(r["prompts"]), width), pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for j, p in enumerate(r["prompts"]):  # left padding
+            ids[j, width - len(p):] = torch.tensor(p)
+            mask[j, width - len(p):] = 1
+        kw: dict[str, Any] = dict(attention_mask=mask, max_new_tokens=r["max_tokens"], min_new_tokens=r["max_tokens"],
+                                  pad_token_id=pad_id, num_return_sequences=r["n"])
+        if r["temperature"] == 0.0:
+            kw.update(do_sample=False)
+        else:
+            kw.update(do_sample=True, temperature=1.0, top_p=1.0, top_k=0)
+        want_lp = r["logprobs"] is not None
+        if want_lp:
+            kw.update(output_logits=True, return_dict_in_generate=True)
+
+        def call() -> tuple[Any, Any]:
+            torch.manual_seed(0)
+            with torch.inference_mode():
+                out = model.generate(ids, **kw)
+                if not want_lp:
+                    return out[:, width:], None
+                new = out.sequences[:, width:]
+                logits = torch.stack(out.logits, dim=1)  # [B, T, V] raw logits
+                lp = torch.log_softmax(logits.float(), dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+                return new, lp
+
+        med, times, (new, _), peak = bc.timed_median(call, args.repeats)
+        tokens = int(new.numel())
+        if tuple(new.shape) != (r["seqs"], r["max_tokens"]):
+            print(f"  WARNING HF {r['key']}: generated shape {tuple(new.shape)}, expected ({r['seqs']}, {r['max_tokens']})")
+        r["hf"] = dict(tokens=tokens, seconds_median=med, seconds_all=[round(x, 4) for x in times],
+                       tok_s=tokens / med, peak_rss=peak)
+        if r["mode"] == "greedy" and "ours_token_ids" in r:
+            ours, theirs = r["ours_token_ids"], new.tolist()
+            common = [next((k for k, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
+                      for x, y in zip(ours, theirs)]
+            r["greedy_agreement"] = dict(identical=sum(x == y for x, y in zip(ours, theirs)) / len(ours),
+                                         mean_common_prefix=float(np.mean(common)))
+        done[r["label"]] = r["hf"]
+        print(f"  HF   {r['key']:<42} {r['hf']['tok_s']:8.1f} tok/s  ({med:.2f}s)", flush=True)
+    for r in runs:
+        if "hf_same_as" in r and "hf" not in r:
+            r["hf"] = done.get(r["hf_same_as"])
+    info = dict(load_s=round(load_s, 2), rss_before_load=rss0, rss_after_load=rss_loaded,
+                torch_version=torch.__version__, torch_num_threads=settings["torch_num_threads"],
+                torch_num_interop_threads=settings["torch_num_interop_threads"])
+    del model
+    gc.collect()
+    return info
+
+
+# ---- main --------------------------------------------------------------------------------------
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke test: B=1,8; 16 new tokens; 1 repeat; R2 as 2 prompts x n=4 vs 8 distinct")
+    ap.add_argument("--no-baseline", action="store_true", help="skip Hugging Face transformers")
+    ap.add_argument("--repeats", type=int, default=None, help="timed calls per run, median reported (default 3)")
+    ap.add_argument("--batch-sizes", default=None, help="R1 batch sizes (default 1,8,32,64)")
+    ap.add_argument("--workloads", default="R1,R2")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--no-r2-nocache", action="store_true", help="skip R2's 'distinct, no prefix cache' reference row")
+    ap.add_argument("--json-out", default=None, help="also write the final JSON line to this file")
+    args = ap.parse_args()
+    q = args.quick
+    args.repeats = args.repeats if args.repeats is not None else (1 if q else 3)
+    args.batch_sizes = [int(b) for b in (args.batch_sizes or ("1,8" if q else "1,8,32,64")).split(",") if b.strip()]
+    if not args.batch_sizes or max(args.batch_sizes) > 64 or min(args.batch_sizes) < 1:
+        ap.error("--batch-sizes must be in 1..64 (the engine is built with max_num_seqs=64)")
+    args.r1_tokens = 16 if q else 128
+    args.r2_tokens = 16 if q else 64
+    args.r2_prompts, args.r2_n = (2, 4) if q else (8, 8)
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    import jax
+
+    from rollout.tokenizer import load_tokenizer
+
+    settings = bc.cpu_settings()
+    print("CPU settings: " + ", ".join(f"{k}={v!r}" for k, v in settings.items()))
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform} x{jax.device_count()}; "
+          f"repeats={args.repeats}; quick={args.quick}", flush=True)
+
+    t0 = time.perf_counter()
+    bw = bc.measure_bandwidth(nbytes=(128 if args.quick else 512) * 2**20)
+    fl = bc.measure_matmul_flops(repeats=3 if args.quick else 5)
+    machine = {**bw, **fl}
+    print(f"machine: bandwidth {bw['bandwidth'] / 1e9:.1f} GB/s (numpy copy {bw['numpy_copy_Bps'] / 1e9:.1f}, "
+          f"jax read {bw['jax_read_Bps'] / 1e9:.1f}); f32 matmul {fl['flops'] / 1e9:.1f} GFLOP/s ("
+          + ", ".join(f"{k.split('_')[1]} {v / 1e9:.1f}" for k, v in fl.items() if k.startswith("matmul_"))
+          + f"); measured in {time.perf_counter() - t0:.1f}s", flush=True)
+
+    tok = load_tokenizer(None)
+    runs = build_runs(args, tok)
+    if not runs:
+        raise SystemExit("no runs: --workloads takes R1 and/or R2")
+    longest = max(len(p) + r["max_tokens"] for r in runs for p in r["prompts"])
+    max_model_len = -(-longest // 64) * 64
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+    ours_info = run_ours(args, runs, tok, max_model_len)
+    hf_info = None if args.no_baseline else run_hf(args, runs, pad_id)
+
+    # ---- table
+    rows = []
+    for r in runs:
+        o, h = r["ours"], r.get("hf")
+        bound = bc.roofline_tokens_per_s(r["seqs"], machine["bandwidth"], machine["flops"])
+        r["roofline_tok_s"] = bound
+        r["roofline_fraction"] = o["tok_s"] / bound
+        r["ratio_vs_hf"] = o["tok_s"] / h["tok_s"] if h else None
+        rows.append([r["workload"], r["label"], r["seqs"], r["mode"], r["max_tokens"], f"{o['tok_s']:.1f}",
+                     f"{h['tok_s']:.1f}" if h else "-", f"{r['ratio_vs_hf']:.2f}x" if h else "-",
+                     f"{bound:.0f}", f"{r['roofline_fraction']:.3f}", bc.mib(o["peak_rss"]),
+                     bc.mib(h["peak_rss"]) if h else "-"])
+    print()
+    bc.print_table(["workload", "run", "seqs", "mode", "new/seq", "ours tok/s", "HF tok/s", "ours/HF",
+                    "roofline tok/s", "ours/roofline", "peak RSS ours", "peak RSS HF"], rows)
+
+    summary: dict[str, Any] = {}
+    agree = {r["key"]: r["greedy_agreement"] for r in runs if "greedy_agreement" in r}
+    if agree:
+        print("greedy agreement with HF (fraction of sequences identical; mean common prefix tokens): "
+              + "; ".join(f"{k.split(' greedy')[0]}: {a['identical']:.2f}, {a['mean_common_prefix']:.1f}"
+                          for k, a in agree.items()))
+    r2 = {r["label"]: r for r in runs if r["workload"] == "R2"}
+    if r2:
+        grouped, distinct, *rest = list(r2.values())
+        summary["r2_grouped_over_distinct"] = grouped["ours"]["tok_s"] / distinct["ours"]["tok_s"]
+        line = (f"R2: grouped / distinct = {summary['r2_grouped_over_distinct']:.2f}x (ours)")
+        if rest:
+            summary["r2_grouped_over_distinct_nocache"] = grouped["ours"]["tok_s"] / rest[0]["ours"]["tok_s"]
+            line += f", {summary['r2_grouped_over_distinct_nocache']:.2f}x vs distinct with no prefix cache"
+        if grouped.get("hf") and distinct.get("hf"):
+            summary["r2_hf_grouped_over_distinct"] = grouped["hf"]["tok_s"] / distinct["hf"]["tok_s"]
+            line += f"; HF {summary['r2_hf_grouped_over_distinct']:.2f}x"
+        print(line)
+        for r in r2.values():
+            o = r["ours"]
+            q = o["prefix_queried_tokens_per_call"]
+            print(f"  {r['label']:<34} prefix cache hits {o['prefix_hit_tokens_per_call']:.0f}/{q:.0f} prompt tokens "
+                  f"({o['prefix_hit_tokens_per_call'] / q if q else 0:.0%}); prefill tokens computed "
+                  f"{o['prefill_tokens_per_call']:.0f} in {o['prefill_steps_per_call']:.0f} steps")
+    peak = bc.peak_rss_bytes()
+    timed_compiles = sum(r["ours"]["compiles_in_timed_calls"] for r in runs)
+    print(f"compiled programs: {ours_info['num_compilations']} ({timed_compiles} during timed calls); "
+          f"preemptions {ours_info['num_preemptions']}; process peak RSS {bc.mib(peak)}")
+    print("roofline: min(bandwidth / 0.54 GB x seqs, FLOP/s / 0.27 GFLOP) tokens/s; prefill FLOPs are not in it")
+
+    out = dict(
+        bench="rollout", quick=args.quick, repeats=args.repeats, settings={**settings, **({
+            k: hf_info[k] for k in ("torch_version", "torch_num_threads", "torch_num_interop_threads")} if hf_info else {})},
+        machine={k: round(v, 1) for k, v in machine.items()}, max_model_len=max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        runs=[{k: v for k, v in r.items() if k not in ("prompts", "ours_token_ids")} for r in runs],
+        num_compilations=ours_info["num_compilations"], compiles_in_timed_calls=timed_compiles,
+        ours=ours_info, hf=hf_info, peak_rss=peak, **summary,
+    )
+    print(bc.json_line(out, args.json_out))
+
+
+if __name__ == "__main__":
+    main()

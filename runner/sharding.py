@@ -1,0 +1,82 @@
+"""Mesh and sharding rules as data: parameter path -> logical axes -> mesh axes.
+
+Tensor parallelism shards attention heads, MLP columns/rows and the vocabulary over the `model`
+axis; the KV cache is sharded by KV head when the head count divides, replicated otherwise. A
+dimension whose size the mesh axis does not divide is replicated rather than split unevenly.
+The jitted step is partitioned by XLA (GSPMD) from these input shardings.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+# (regex over the dotted parameter path, logical axis of each dimension)
+PARAM_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
+    (r"embed_tokens", ("vocab", None)),
+    (r"lm_head\.kernel", (None, "vocab")),
+    (r"layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj)\.kernel", (None, "heads")),
+    (r"layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj)\.bias", ("heads",)),
+    (r"layers\.\d+\.self_attn\.o_proj\.kernel", ("heads", None)),
+    (r"layers\.\d+\.mlp\.(gate_proj|up_proj)\.kernel", (None, "mlp")),
+    (r"layers\.\d+\.mlp\.(gate_proj|up_proj)\.bias", ("mlp",)),
+    (r"layers\.\d+\.mlp\.down_proj\.kernel", ("mlp", None)),
+    (r".*", ()),  # norms, biases of row-parallel layers, buffers: replicated
+)
+KV_CACHE_AXES: tuple[str | None, ...] = (None, None, "kv_heads", None)  # [pages, page, 2*Hkv, D]
+LOGICAL_TO_MESH: dict[str, str] = {"vocab": "model", "heads": "model", "mlp": "model", "kv_heads": "model"}
+
+
+def make_mesh(shape: tuple[int, int] | Mesh | None) -> Mesh:
+    """A ("data", "model") mesh over the first data*model devices (None = one device)."""
+    if isinstance(shape, Mesh):
+        missing = {"data", "model"} - set(shape.axis_names)
+        if missing:
+            raise ValueError(f"the mesh needs axes 'data' and 'model'; it lacks {sorted(missing)}")
+        return shape
+    data, model = shape if shape is not None else (1, 1)
+    if data < 1 or model < 1:
+        raise ValueError(f"mesh sizes must be >= 1, got (data={data}, model={model})")
+    devices = jax.devices()
+    if data * model > len(devices):
+        raise ValueError(f"a ({data}, {model}) mesh needs {data * model} devices; JAX sees {len(devices)} "
+                         "(on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N before importing JAX)")
+    return Mesh(np.asarray(devices[:data * model]).reshape(data, model), ("data", "model"))
+
+
+def spec_for(shape: tuple[int, ...], logical: tuple[str | None, ...], mesh: Mesh) -> PartitionSpec:
+    """Mesh axes for each dimension; a dimension the axis size does not divide stays replicated."""
+    axes: list[str | None] = []
+    for dim, name in zip(shape, logical + (None,) * (len(shape) - len(logical))):
+        mesh_axis = LOGICAL_TO_MESH.get(name) if name else None
+        # K and V of one head sit side by side on the KV-cache head axis: split only whole pairs.
+        unit = 2 if name == "kv_heads" else 1
+        if mesh_axis is not None and mesh.shape[mesh_axis] > 1 and dim % (unit * mesh.shape[mesh_axis]) == 0:
+            axes.append(mesh_axis)
+        else:
+            axes.append(None)
+    return PartitionSpec(*axes)
+
+
+def param_sharding(path: str, shape: tuple[int, ...], mesh: Mesh) -> NamedSharding:
+    """The sharding of one parameter, by the first rule whose pattern matches its path."""
+    for pattern, logical in PARAM_RULES:
+        if re.fullmatch(pattern, path):
+            return NamedSharding(mesh, spec_for(shape, logical, mesh))
+    raise AssertionError("the catch-all rule matches every path")
+
+
+def kv_cache_sharding(shape: tuple[int, ...], mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, spec_for(shape, KV_CACHE_AXES, mesh))
+
+
+def shard_params(params: object, mesh: Mesh) -> object:
+    """`params` (an nnx.State or any tree of arrays) placed by PARAM_RULES on `mesh`."""
+    def place(path: tuple, x: jax.Array) -> jax.Array:
+        name = ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+        name = name.replace(".value", "")
+        return jax.device_put(x, param_sharding(name, tuple(x.shape), mesh))
+    return jax.tree_util.tree_map_with_path(place, params)

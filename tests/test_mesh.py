@@ -1,0 +1,70 @@
+"""The engine on a device mesh: tensor / data parallel outputs equal the single-device run."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from rollout.engine import Engine
+from rollout.sampling_params import SamplingParams
+from runner.models.config import ModelConfig
+from runner.models.llama import LlamaForCausalLM
+from runner.sharding import make_mesh
+
+CFG = ModelConfig(family="qwen2", vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=8, num_key_value_heads=4, head_dim=8, qkv_bias=True)
+KW = dict(max_num_seqs=8, max_model_len=96, max_num_batched_tokens=64, block_size=8)
+
+
+class IdTokenizer:
+    """Token ids only (prompts are given as id lists)."""
+
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id = 0
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) % 96 for c in text]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return " ".join(map(str, ids))
+
+
+@pytest.fixture(scope="module")
+def setup() -> tuple[LlamaForCausalLM, list[list[int]], list]:
+    model = LlamaForCausalLM(CFG, rngs=nnx.Rngs(3))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 96, size=int(n)).tolist() for n in rng.integers(3, 40, size=6)]
+    ref = Engine.from_model(model, IdTokenizer(), **KW).generate(prompts, SamplingParams(temperature=0, max_tokens=12, logprobs=0))
+    return model, prompts, ref
+
+
+@pytest.mark.parametrize("mesh", [(1, 2), (1, 4), (2, 2), (8, 1)], ids=str)
+def test_mesh_outputs_equal_single_device(setup: tuple, mesh: tuple[int, int]) -> None:
+    model, prompts, ref = setup
+    engine = Engine.from_model(model, IdTokenizer(), mesh=mesh, **KW)
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=12, logprobs=0))
+    for a, b in zip(outs, ref):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        lp_a = np.array([t.logprob for t in a.outputs[0].logprobs])
+        lp_b = np.array([t.logprob for t in b.outputs[0].logprobs])
+        np.testing.assert_allclose(lp_a, lp_b, atol=1e-5)
+
+
+def test_tensor_parallel_memory_is_a_quarter(setup: tuple) -> None:
+    model = setup[0]
+    engine = Engine.from_model(model, IdTokenizer(), mesh=(1, 4), **KW)
+    leaves = jax.tree.leaves(engine.runner.params)
+    total = sum(x.nbytes for x in leaves)
+    device = engine.runner.mesh.devices.flat[0]
+    on_one = sum(s.data.nbytes for x in leaves for s in x.addressable_shards if s.device == device)
+    assert on_one < 0.3 * total, (on_one, total)
+    kv = engine.runner.kv_caches[0]
+    kv_one = sum(s.data.nbytes for s in kv.addressable_shards if s.device == device)
+    assert kv_one == kv.nbytes // 4  # 4 KV heads over 4 devices
+
+
+def test_bad_mesh_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="needs 64 devices"):
+        make_mesh((8, 8))
