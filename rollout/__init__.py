@@ -19,6 +19,7 @@ _EXPORTS = {
     "RolloutBatch": "rollout.outputs",
     "Tokenizer": "rollout.tokenizer",
     "load_tokenizer": "rollout.tokenizer",
+    "NgramConfig": "runner.spec_decode.ngram",
 }
 __all__ = sorted(_EXPORTS)
 

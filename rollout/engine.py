@@ -6,11 +6,13 @@ import dataclasses
 import time
 from typing import Sequence as Seq
 
+import jax
 import numpy as np
 from jax.sharding import Mesh
 from tqdm import tqdm
 
 import weight_sync
+from weight_sync.apply import reject_non_finite
 
 from rollout.block_manager import BlockManager
 from rollout.engine_config import EngineConfig, EngineStats
@@ -20,6 +22,7 @@ from rollout.rollout_batch import build_rollout_batch
 from rollout.sampling_params import SamplingParams
 from rollout.scheduler import Scheduler, SchedulerConfig
 from rollout.sequence import Sequence
+from rollout.speculator import Speculator
 from rollout.step_builder import build_step
 from rollout.tokenizer import Tokenizer, load_tokenizer
 from runner.buckets import BucketConfig
@@ -57,8 +60,11 @@ class Engine:
         self.runner = ModelRunner(model, kv_spec, buckets, max_logprobs=config.max_logprobs, mesh=make_mesh(mesh))
         self.block_manager = BlockManager(kv_spec.num_blocks, block_size,
                                           enable_prefix_caching=config.enable_prefix_caching)
+        spec = config.speculative
+        self.speculator = Speculator(spec, config.max_model_len, config.max_num_batched_tokens) if spec is not None else None
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   config.max_model_len), self.block_manager)
+                                                   config.max_model_len, decode_steps=1 + (spec.k if spec else 0)),
+                                   self.block_manager)
         self.outputs = OutputProcessor(self.scheduler, tokenizer, self.eos_token_ids, config.max_model_len)
         self.rng = np.random.default_rng(config.seed)
         self.policy_version: int | None = None
@@ -115,8 +121,17 @@ class Engine:
     def step(self) -> list[Sequence]:
         """One engine step: schedule -> run -> postprocess. Returns the sequences that finished."""
         batch = self.scheduler.schedule()
-        result = self.runner.run(build_step(batch, self.eos_token_ids))
-        finished = self.outputs.process(batch, result)
+        drafts = self.speculator.propose(batch) if self.speculator is not None else None
+        start = time.perf_counter()
+        result = self.runner.run(build_step(batch, self.eos_token_ids, drafts))
+        if drafts is None:
+            finished = self.outputs.process(batch, result)
+        else:
+            finished, accepted = self.outputs.process_verified(batch, result, drafts)
+            for d, a in zip(drafts, accepted):
+                self.speculator.record_acceptance(len(d), a, a + 1, self.policy_version)
+        if self.speculator is not None and not batch.is_prefill:
+            self.speculator.record_step(len(batch.seqs), drafts is not None, time.perf_counter() - start)
         self.stats_.record_step(batch)
         return finished
 
@@ -140,7 +155,18 @@ class Engine:
         if self._generating:
             raise RuntimeError("sync_weights() was called while generate() is running; "
                                "call it between generate()/rollout() calls")
-        plan = weight_sync.plan(params, self.runner.params, mapping)  # cached per tree structure
+        try:
+            plan = weight_sync.plan(params, self.runner.params, mapping)  # cached per tree structure
+        except weight_sync.WeightSyncError as err:
+            problems = list(err.problems)
+            if check_finite:  # one error lists every problem: the NaN/Inf sources too
+                try:
+                    src = weight_sync.flatten(params, what="source")
+                    reject_non_finite(src, [p for p, x in zip(src.paths, src.leaves)
+                                            if not isinstance(x, jax.ShapeDtypeStruct)])
+                except weight_sync.WeightSyncError as nan_err:
+                    problems += [p for p in nan_err.problems if p not in problems]
+            raise weight_sync.WeightSyncError(problems) from None
         weight_sync.apply(plan, params, self.runner.params, check_finite=check_finite)
         self.block_manager.invalidate_prefix_cache()
         self.policy_version = version if version is not None else (self.policy_version or 0) + 1
@@ -157,7 +183,8 @@ class Engine:
         Requests with `prompt_logprobs` use their own prefill programs: pass `prompt_logprobs=True`
         to compile those too.
         """
-        return self.runner.warmup(prompt_logprobs=prompt_logprobs)
+        spec = self.config.speculative
+        return self.runner.warmup(prompt_logprobs=prompt_logprobs, speculative_k=spec.k if spec else 0)
 
     def stats(self) -> EngineStats:
         """Counters since the engine was built (a copy)."""
@@ -165,7 +192,8 @@ class Engine:
             self.stats_, num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_hit_tokens=self.block_manager.num_cache_hit_tokens,
             prefix_cache_queried_tokens=self.block_manager.num_cache_queried_tokens,
-            num_compilations=num_compilations() - self._compiles_at_start)
+            num_compilations=num_compilations() - self._compiles_at_start,
+            speculative=dataclasses.replace(self.speculator.stats) if self.speculator is not None else None)
 
     # ---- internals --------------------------------------------------------------------------
     def _normalize(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None

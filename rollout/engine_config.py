@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 from rollout.scheduler import ScheduledBatch
+from rollout.speculator import SpecStats
+from runner.spec_decode.ngram import NgramConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,6 +23,8 @@ class EngineConfig:
     seed: int = 0
     max_logprobs: int = 20
     enable_prefix_caching: bool = True
+    speculative: NgramConfig | None = None  # draft with n-gram prompt lookup, verified exactly
+
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "block_size"):
@@ -31,6 +35,10 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 32, got {self.max_num_batched_tokens}")
         if self.kv_cache_blocks is not None and self.kv_cache_blocks < 1:
             raise ValueError(f"kv_cache_blocks must be >= 1, got {self.kv_cache_blocks}")
+        if self.speculative is not None and not isinstance(self.speculative, NgramConfig):
+            raise ValueError(f"speculative must be an NgramConfig or None, got {type(self.speculative).__name__}")
+        if self.speculative is not None and self.speculative.k + 1 > 8:
+            raise ValueError(f"speculative k must be <= 7 (a verification row holds 8 tokens), got {self.speculative.k}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
 
@@ -52,6 +60,7 @@ class EngineStats:
     num_compilations: int = 0
     num_weight_syncs: int = 0
     generate_seconds: float = 0.0
+    speculative: SpecStats | None = None  # drafting counters when speculation is configured
 
     @property
     def generated_tokens_per_second(self) -> float:

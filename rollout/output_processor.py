@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from rollout.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from rollout.scheduler import ScheduledBatch, Scheduler
 from rollout.sequence import Sequence
@@ -32,16 +34,47 @@ class OutputProcessor:
                 continue  # a prefill chunk that does not reach the end: nothing sampled
             if seq.num_output_tokens == 0:
                 self.scheduler.mark_prefilled(seq)
-            token = int(result.token_ids[i])
-            seq.token_ids.append(token)
-            if seq.params.logprobs is not None:
-                seq.output_logprobs.append(float(result.logprobs[i]))
-                k = seq.params.logprobs  # the step returns the batch's largest k
-                seq.output_top.append((result.top_ids[i, :k].tolist(), result.top_logprobs[i, :k].tolist()))
-            if self._check_stop(seq, token):
-                self.scheduler.finish(seq)
+            if self._emit(seq, result, i):
                 finished.append(seq)
         return finished
+
+    def process_verified(self, batch: ScheduledBatch, result: StepResult, drafts: list[np.ndarray]
+                         ) -> tuple[list[Sequence], list[int]]:
+        """Apply a verification step: per sequence, keep target tokens while its drafts matched them.
+
+        Row r of a sequence sampled after its r-th input (the last token, then draft r-1), so its
+        token is valid while every earlier draft equalled the target's token. Returns the finished
+        sequences and the number of accepted drafts per sequence.
+        """
+        finished: list[Sequence] = []
+        accepted: list[int] = []
+        row = 0
+        for seq, draft in zip(batch.seqs, drafts):
+            emitted = 0
+            for r in range(len(draft) + 1):
+                seq.num_computed_tokens += 1  # K/V of this row's input token is valid
+                emitted += 1
+                if self._emit(seq, result, row + r):
+                    finished.append(seq)
+                    break
+                if r < len(draft) and int(draft[r]) != seq.token_ids[-1]:
+                    break
+            accepted.append(emitted - 1)
+            row += len(draft) + 1
+        return finished, accepted
+
+    def _emit(self, seq: Sequence, result: StepResult, row: int) -> bool:
+        """Append the token sampled in `row`; finish the sequence (and return True) if it stops."""
+        token = int(result.token_ids[row])
+        seq.token_ids.append(token)
+        if seq.params.logprobs is not None:
+            seq.output_logprobs.append(float(result.logprobs[row]))
+            k = seq.params.logprobs  # the step returns the batch's largest k
+            seq.output_top.append((result.top_ids[row, :k].tolist(), result.top_logprobs[row, :k].tolist()))
+        if self._check_stop(seq, token):
+            self.scheduler.finish(seq)
+            return True
+        return False
 
     def _record_prompt_logprobs(self, seq: Sequence, result: StepResult, offset: int, n: int) -> None:
         for j in range(n):

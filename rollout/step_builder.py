@@ -16,8 +16,11 @@ def suppressed_ids(seq: Sequence, eos_token_ids: tuple[int, ...]) -> list[int]:
     return list(dict.fromkeys([*eos_token_ids, *seq.params.stop_token_ids]))
 
 
-def build_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...]) -> StepBatch:
+def build_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...],
+               drafts: list[np.ndarray] | None = None) -> StepBatch:
     """Pack the scheduled tokens of every sequence, with their sampling settings (pure numpy)."""
+    if drafts is not None:
+        return build_verify_step(batch, eos_token_ids, drafts)
     seqs, counts = batch.seqs, np.asarray(batch.num_new_tokens, np.int32)
     starts = np.array([s.num_computed_tokens for s in seqs], np.int32)
     kv_lens = starts + counts
@@ -49,3 +52,34 @@ def build_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...]) -> StepBat
         suppress_ids=suppress,
         num_top_logprobs=max((max(p.logprobs or 0, p.prompt_logprobs or 0) for p in params), default=0),
         target_ids=target_ids)
+
+
+def build_verify_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...], drafts: list[np.ndarray]) -> StepBatch:
+    """A decode step that also feeds each sequence's draft tokens and samples after every position."""
+    seqs = batch.seqs
+    counts = np.array([1 + len(d) for d in drafts], np.int32)
+    starts = np.array([s.num_computed_tokens for s in seqs], np.int32)
+    token_ids = np.concatenate([np.concatenate([[s.token_ids[-1]], d]).astype(np.int32) for s, d in zip(seqs, drafts)])
+    positions = np.concatenate([np.arange(a, a + n, dtype=np.int32) for a, n in zip(starts, counts)])
+    row_seq = np.repeat(np.arange(len(seqs)), counts)
+    row_rank = np.arange(len(row_seq)) - np.repeat(np.cumsum(counts) - counts, counts)
+    suppress = np.full((len(row_seq), MAX_SUPPRESS), -1, np.int32)
+    for r, (i, k) in enumerate(zip(row_seq, row_rank)):
+        seq = seqs[i]
+        if seq.num_output_tokens + k < seq.params.min_tokens:
+            ids = list(dict.fromkeys([*eos_token_ids, *seq.params.stop_token_ids]))
+            suppress[r, :len(ids)] = ids
+    params = [seqs[i].params for i in row_seq]
+    return StepBatch(
+        token_ids=token_ids, positions=positions, q_lens=counts, kv_lens=starts + counts,
+        block_tables=[s.block_table for s in seqs],
+        temperature=np.array([p.temperature for p in params], np.float32),
+        top_k=np.array([p.top_k if p.top_k > 0 else 0 for p in params], np.int32),
+        top_p=np.array([p.top_p for p in params], np.float32),
+        min_p=np.array([p.min_p for p in params], np.float32),
+        seeds=np.array([seqs[i].seed for i in row_seq], np.uint32),
+        sample_index=np.array([seqs[i].sample_index for i in row_seq], np.int32),
+        processed=np.array([p.logprobs_mode == "processed" for p in params], bool),
+        suppress_ids=suppress,
+        num_top_logprobs=max((s.params.logprobs or 0 for s in seqs), default=0),
+        logits_indices=np.arange(len(token_ids), dtype=np.int32))

@@ -28,6 +28,7 @@ from runner.sharding import kv_cache_sharding, make_mesh, shard_params
 
 SAMPLER_MODES = ("greedy", "random", "filtered")
 MAX_SUPPRESS = 8  # ids a request may forbid per step (EOS + stop ids before min_tokens)
+VERIFY_Q_LEN = 8  # attention rows of a speculative verification step hold up to this many tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,10 +50,13 @@ class StepBatch:
     suppress_ids: np.ndarray  # [S, MAX_SUPPRESS] ids forbidden this step, -1 = none
     num_top_logprobs: int = 0
     target_ids: np.ndarray | None = None  # [T] next token of each position: asks for per-token logprobs
+    # [R] packed tokens whose logits are sampled (speculative verification samples after every token);
+    # None = the last token of each sequence. The sampling arrays above then have R rows, not S.
+    logits_indices: np.ndarray | None = None
 
     @property
     def is_decode(self) -> bool:
-        return bool(np.all(self.q_lens == 1)) and self.target_ids is None
+        return bool(np.all(self.q_lens == 1)) and self.target_ids is None and self.logits_indices is None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +152,7 @@ class ModelRunner:
 
     def run(self, batch: StepBatch) -> StepResult:
         """Pad, run one compiled step, and return the sampled tokens."""
-        num_seqs, num_tokens = len(batch.q_lens), len(batch.token_ids)
+        num_seqs, num_tokens = len(batch.temperature), len(batch.token_ids)  # sampled rows, tokens
         padded = self._pad(batch)
         device_batch = jax.device_put(padded, jax.tree.map(self._batch_sharding, padded))
         self.kv_caches, out, extra = _jitted_step(
@@ -172,6 +176,9 @@ class ModelRunner:
         if b.is_decode:
             padded_tokens = rows = pick(bk.seq_buckets, num_seqs)
             piece_len = 1
+        elif b.logits_indices is not None:  # speculative verification: a row per token
+            padded_tokens = rows = pick(bk.token_buckets, num_tokens)
+            piece_len = VERIFY_Q_LEN if int(np.max(b.q_lens)) <= VERIFY_Q_LEN else bk.query_block
         else:
             padded_tokens = pick(bk.token_buckets, num_tokens)
             rows = bk.prefill_rows(padded_tokens)
@@ -197,7 +204,7 @@ class ModelRunner:
         piece_start = seq_start[piece_seq] + piece_rank * piece_len
         piece_end = np.minimum(piece_start + piece_len, (seq_start + b.q_lens)[piece_seq])
         kv_start = (b.kv_lens - b.q_lens)[piece_seq]
-        num_pieces = rows if b.is_decode else bk.prefill_pieces(padded_tokens)
+        num_pieces = rows if b.logits_indices is not None or b.is_decode else bk.prefill_pieces(padded_tokens)
         cu_q_lens = np.full(num_pieces + 1, num_tokens, np.int32)
         cu_q_lens[0] = 0
         cu_q_lens[1:len(piece_seq) + 1] = piece_end
@@ -211,12 +218,13 @@ class ModelRunner:
             out[:len(x)] = x
             return out
 
-        logits_indices = np.cumsum(b.q_lens) - 1
+        logits_indices = np.cumsum(b.q_lens) - 1 if b.logits_indices is None else b.logits_indices
+        sample_positions = b.positions[logits_indices] + 1
         sampling = SamplingInputs(
             temperature=pad(b.temperature, rows, 0.0, np.float32), top_k=pad(b.top_k, rows),
             top_p=pad(b.top_p, rows, 1.0, np.float32), min_p=pad(b.min_p, rows, 0.0, np.float32),
             seeds=pad(b.seeds, rows, 0, np.uint32), sample_index=pad(b.sample_index, rows),
-            positions=pad(b.kv_lens, rows), processed=pad(b.processed, rows, False, np.bool_),
+            positions=pad(sample_positions, rows), processed=pad(b.processed, rows, False, np.bool_),
             suppress_ids=pad(b.suppress_ids, rows, -1))
         return DeviceBatch(
             token_ids=pad(b.token_ids, padded_tokens), positions=pad(b.positions, padded_tokens),
@@ -234,10 +242,11 @@ class ModelRunner:
         filtering = np.any((b.top_k > 0) | (b.top_p < 1.0) | (b.min_p > 0.0))
         return SAMPLER_MODES.index("filtered" if filtering else "random")
 
-    def warmup(self, *, prompt_logprobs: bool = False) -> int:
+    def warmup(self, *, prompt_logprobs: bool = False, speculative_k: int = 0) -> int:
         """Compile every bucket by running dummy steps whose K/V writes are all dropped; returns the count.
 
-        `prompt_logprobs=True` also compiles the prefill programs that return per-token logprobs.
+        `prompt_logprobs=True` also compiles the prefill programs that return per-token logprobs;
+        `speculative_k > 0` the verification programs (a sampled row per token).
         """
         bk = self.buckets
         shapes = [(True, s, p) for s, p in itertools.product(bk.seq_buckets, bk.page_buckets)]
@@ -249,10 +258,28 @@ class ModelRunner:
             variants = [dummy]
             if prompt_logprobs and not decode:
                 variants.append(dataclasses.replace(dummy, target_ids=np.zeros_like(dummy.token_ids)))
+            if speculative_k and not decode and n <= bk.max_num_seqs * (speculative_k + 1):
+                variants.append(self._dummy_verify(n, pages, speculative_k, top))
             for step in variants:
                 self.run(step)
                 count += 1
         return count
+
+    def _dummy_verify(self, n: int, pages: int, k: int, num_top: int) -> StepBatch:
+        """A verification step of `n` tokens: sequences of k + 1 tokens, a sampled row per token."""
+        q_len = min(k + 1, n)
+        num_seqs = max(1, n // q_len)
+        base = self._dummy(True, num_seqs, pages)
+        rows = num_seqs * q_len
+        capacity = pages * self.kv_spec.block_size
+        rep = lambda x: np.repeat(x, q_len, axis=0)  # noqa: E731
+        return dataclasses.replace(
+            base, token_ids=np.zeros(rows, np.int32),
+            positions=np.tile(np.arange(capacity - q_len, capacity, dtype=np.int32), num_seqs),
+            q_lens=np.full(num_seqs, q_len, np.int32), temperature=rep(base.temperature), top_k=rep(base.top_k),
+            top_p=rep(base.top_p), min_p=rep(base.min_p), seeds=rep(base.seeds), sample_index=rep(base.sample_index),
+            processed=rep(base.processed), suppress_ids=rep(base.suppress_ids), num_top_logprobs=num_top,
+            logits_indices=np.arange(rows, dtype=np.int32))
 
     def _dummy(self, decode: bool, n: int, pages: int) -> StepBatch:
         """A step of bucket shape (n sequences for decode, n tokens for prefill; `pages` of context)."""

@@ -1,0 +1,99 @@
+"""Speculative decoding on the host side: which decode steps draft, the drafts, and acceptance stats.
+
+Drafts come from `runner.spec_decode` proposers. The target verifies all drafts in one step and
+samples after every position with the request's own per-position key ("exact replay"), so the
+emitted tokens and logprobs are those of plain decoding. Speculation turns itself off for a step
+when measured step times and acceptance say plain decoding would be faster.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import numpy as np
+
+from rollout.scheduler import ScheduledBatch
+from runner.spec_decode.ngram import NgramConfig, propose_batch
+
+EMA = 0.2
+
+
+@dataclasses.dataclass
+class SpecStats:
+    """Drafting counters (a copy is reported by `Engine.stats()`)."""
+
+    num_draft_steps: int = 0
+    num_disabled_steps: int = 0  # decode steps where speculation was judged slower and skipped
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    emitted_tokens: int = 0  # tokens produced by draft steps (accepted + one target token per sequence)
+    num_seq_steps: int = 0  # (sequence, draft step) pairs
+    acceptance_by_version: dict[int | None, tuple[int, int]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def mean_accepted_per_step(self) -> float:
+        """Mean tokens emitted per sequence per verification step (1 = nothing accepted)."""
+        return self.emitted_tokens / self.num_seq_steps if self.num_seq_steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+
+class Speculator:
+    """Proposes n-gram drafts for decode steps and decides per step whether drafting pays."""
+
+    def __init__(self, config: NgramConfig, max_model_len: int, max_num_batched_tokens: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.stats = SpecStats()
+        self._seconds: dict[tuple[bool, int], float] = collections.defaultdict(float)
+        self._acceptance = 1.0  # optimistic until measured
+
+    def propose(self, batch: ScheduledBatch) -> list[np.ndarray] | None:
+        """Drafts per sequence of a decode batch, or None to decode plainly this step."""
+        if batch.is_prefill or not batch.seqs:
+            return None
+        if not self._worth_it(len(batch.seqs)):
+            self.stats.num_disabled_steps += 1
+            return None
+        per_seq = min(self.config.k, self.max_num_batched_tokens // len(batch.seqs) - 1)
+        if per_seq < 1:
+            return None
+        limits = [min(per_seq, s.params.max_tokens - s.num_output_tokens - 1, self.max_model_len - s.num_tokens - 1)
+                  for s in batch.seqs]
+        drafts = propose_batch([np.asarray(s.token_ids, np.int32) for s in batch.seqs], limits, self.config)
+        if not any(len(d) for d in drafts):
+            return None
+        self.stats.num_draft_steps += 1
+        return drafts
+
+    def _worth_it(self, num_seqs: int) -> bool:
+        if not self.config.auto_disable:
+            return True
+        plain = self._seconds.get((False, num_seqs))
+        spec = self._seconds.get((True, num_seqs))
+        if spec is None:
+            return True
+        if plain is None:  # measure plain decoding once in a while, then judge
+            return (self.stats.num_draft_steps + 1) % 16 != 0
+        expected_tokens = 1.0 + self._acceptance * self.config.k
+        return expected_tokens / spec >= 1.0 / plain
+
+    def record_step(self, num_seqs: int, drafted: bool, seconds: float) -> None:
+        key = (drafted, num_seqs)
+        old = self._seconds.get(key)
+        self._seconds[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+
+    def record_acceptance(self, drafted: int, accepted: int, emitted: int, version: int | None) -> None:
+        s = self.stats
+        s.drafted_tokens += drafted
+        s.accepted_tokens += accepted
+        s.emitted_tokens += emitted
+        s.num_seq_steps += 1
+        d, a = s.acceptance_by_version.get(version, (0, 0))
+        s.acceptance_by_version[version] = (d + drafted, a + accepted)
+        if drafted:
+            self._acceptance = (1 - EMA) * self._acceptance + EMA * (accepted / drafted)

@@ -1,0 +1,1 @@
+"""Speculative decoding: draft proposers (n-gram prompt lookup) whose drafts the target verifies."""
