@@ -108,6 +108,11 @@ class Engine:
         try:
             while self.scheduler.has_unfinished():
                 bar.update(len(self.step()))
+        except BaseException:
+            for rid, _, seqs in requests:  # drop this call's unfinished work; the engine stays usable
+                self.scheduler.abort(seqs)
+                self.scheduler.forget_request(rid)
+            raise
         finally:
             self._generating = False
             bar.close()

@@ -142,5 +142,14 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.deallocate(seq)
 
+    def abort(self, seqs: list[Sequence]) -> None:
+        """Remove unfinished sequences (waiting or running) and free their blocks."""
+        for seq in seqs:
+            if seq.status == SequenceStatus.RUNNING:
+                self.finish(seq)
+            elif seq.status == SequenceStatus.WAITING and seq in self.waiting:
+                self.waiting.remove(seq)
+                seq.status = SequenceStatus.FINISHED
+
     def forget_request(self, request_id: int) -> None:
         self._prefilled_requests.discard(request_id)
