@@ -81,9 +81,9 @@ class Engine:
         `mesh`: None (one device), a `(data, model)` size pair, or a Mesh with those axes.
         """
         engine_config = EngineConfig(**config)  # validate before the (slow) load
-        make_mesh(mesh)
-        model, _ = load_model(path, dtype=dtype)
-        return cls(model, load_tokenizer(path), engine_config, mesh)
+        device_mesh = make_mesh(mesh)
+        model, _ = load_model(path, dtype=dtype, mesh=device_mesh)  # straight into the sharded layout
+        return cls(model, load_tokenizer(path), engine_config, device_mesh)
 
     @classmethod
     def from_model(cls, model: LlamaForCausalLM, tokenizer: Tokenizer, *,

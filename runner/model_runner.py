@@ -126,7 +126,7 @@ class ModelRunner:
         self.graphdef = graphdef
         # The runner owns its copy (a trainer may update or donate its arrays at any time), laid out
         # by the sharding rules; device_put to a new sharding copies, so copy explicitly otherwise.
-        self.params = shard_params(jax.tree.map(lambda x: jnp.array(x, copy=True), params), self.mesh)
+        self.params = shard_params(jax.tree.map(lambda x: x.copy(), params), self.mesh)
         self.rest = jax.device_put(jax.tree.map(lambda x: jnp.array(x, copy=True), rest),
                                    NamedSharding(self.mesh, PartitionSpec()))
         self.kv_spec = kv_spec

@@ -68,3 +68,21 @@ def test_tensor_parallel_memory_is_a_quarter(setup: tuple) -> None:
 def test_bad_mesh_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="needs 64 devices"):
         make_mesh((8, 8))
+
+
+def test_load_places_each_tensor_sharded(tmp_path) -> None:
+    from helpers_models import hf_config, random_tensors, write_hf_dir
+
+    from runner.models.loader import load_model
+
+    hf = hf_config("llama", num_attention_heads=8, num_key_value_heads=4, hidden_size=64, intermediate_size=128)
+    path = write_hf_dir(tmp_path / "ckpt", hf, random_tensors(hf))
+    mesh = make_mesh((1, 4))
+    model, _ = load_model(str(path), mesh=mesh)
+    kernel = model.layers[0].mlp.gate_proj.kernel[...]
+    assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, "model")
+    assert all(s.data.shape[1] == kernel.shape[1] // 4 for s in kernel.addressable_shards)
+    reference, _ = load_model(str(path))
+    ids = np.arange(10)[None] % hf["vocab_size"]
+    np.testing.assert_allclose(np.asarray(model(ids, np.arange(10)[None])),
+                               np.asarray(reference(ids, np.arange(10)[None])), atol=1e-5)

@@ -13,10 +13,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from runner.models.checkpoint import read_checkpoint
 from runner.models.config import ModelConfig
 from runner.models.llama import LlamaForCausalLM, rope_inv_freq
+from runner.sharding import param_sharding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +60,13 @@ def _path_str(path: tuple) -> str:
     return ".".join(str(p) for p in path)
 
 
-def model_from_hf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> LlamaForCausalLM:
-    """Build the model with its parameters taken from HF-named `[out, in]` tensors."""
+def model_from_hf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray], *, mesh: Mesh | None = None
+                          ) -> LlamaForCausalLM:
+    """Build the model with its parameters taken from HF-named `[out, in]` tensors.
+
+    With a `mesh`, each tensor goes from the host straight into its sharded layout
+    (`runner.sharding` rules): no device ever holds a full copy of a tensor it does not own.
+    """
     abstract = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, rngs=nnx.Rngs(0)))
     graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
     flat = {_path_str(k): v for k, v in nnx.to_flat_state(params)}
@@ -86,7 +93,9 @@ def model_from_hf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> L
         if arr.shape != want.shape:
             problems.append(f"{name!r}: shape {arr.shape} (after layout change) != model's {want.shape} for {target!r}")
             continue
-        values[target] = jnp.asarray(arr, dtype=want.dtype)
+        host = np.asarray(arr, dtype=want.dtype)
+        values[target] = (jnp.asarray(host) if mesh is None
+                          else jax.device_put(host, param_sharding(target, host.shape, mesh)))
     missing = sorted(set(flat) - set(values))
     problems += [f"model parameter {t!r} is not in the checkpoint" for t in missing]
     if problems:
@@ -99,11 +108,15 @@ def model_from_hf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> L
     return model
 
 
-def load_model(path: str | None = None, *, dtype: str = "float32") -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Load a HF directory or `.gguf` file (None = the embedded SmolLM2-135M-Instruct) as an NNX model."""
+def load_model(path: str | None = None, *, dtype: str = "float32", mesh: Mesh | None = None
+               ) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Load a HF directory or `.gguf` file (None = the embedded SmolLM2-135M-Instruct) as an NNX model.
+
+    `mesh` (a ("data", "model") Mesh) places every parameter directly in its tensor-parallel layout.
+    """
     if path is None:
         from runner.models.default_model import default_model_path
         path = default_model_path()
     ckpt = read_checkpoint(path)
     cfg = ModelConfig.from_hf_dict(ckpt.hf_config, dtype=dtype)
-    return model_from_hf_tensors(cfg, ckpt.tensors), cfg
+    return model_from_hf_tensors(cfg, ckpt.tensors, mesh=mesh), cfg
