@@ -68,7 +68,7 @@ class Config:
     steps: int = 30
     prompts_per_step: int = 8
     group_size: int = 8
-    max_tokens: int = 16
+    max_tokens: int = 24
     temperature: float = 1.0
     lr: float = 5e-5
     train_layers: int = 4

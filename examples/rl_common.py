@@ -3,7 +3,10 @@ reward, the trainer's forward over a frozen trunk + trainable top layers, the cl
 policy-gradient loss, the sampler-vs-trainer mismatch figures, a tiny random model, and the plot.
 
 The task: "What is 47 + 38?" (two-digit addition or subtraction, drawn from a seeded generator).
-The model is asked to reply with one line `Answer: <number>`.
+The prompt is a short system instruction, one worked example turn ("What is 25 + 17?" ->
+"25 + 17 = 42\nAnswer: 42"), then the question; the model should end with the line `Answer: <number>`.
+(Without the example turn SmolLM2-135M almost never uses the format: reward 0 everywhere, nothing to
+learn from. With it, about 80% of its samples are formatted and ~15% correct at the start.)
 
 The reward of one completion (in [0, 1.1]):
 
@@ -32,6 +35,8 @@ from runner.models.llama import LlamaForCausalLM
 
 # ---- the task -----------------------------------------------------------------------------------
 SYSTEM_PROMPT = "You are a calculator. Reply with one line: Answer: <number>"
+EXAMPLE_TURN = ({"role": "user", "content": "What is 25 + 17?"},
+                {"role": "assistant", "content": "25 + 17 = 42\nAnswer: 42"})
 FORMAT_REWARD = 0.1
 _ANSWER_LINE = re.compile(r"^\s*Answer:\s*(-?\d+)\s*\.?\s*$")
 
@@ -56,8 +61,9 @@ def make_problems(rng: np.random.Generator, n: int) -> list[Problem]:
 
 
 def build_prompt(tokenizer: Any, problem: Problem) -> str:
-    """The chat-formatted prompt (system + user turn, generation prompt appended)."""
-    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": problem.question}]
+    """The chat-formatted prompt (system, the example turn, the question; generation prompt appended)."""
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, *EXAMPLE_TURN,
+                {"role": "user", "content": problem.question}]
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
