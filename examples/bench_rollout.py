@@ -145,7 +145,7 @@ def run_ours(args: argparse.Namespace, runs: list[dict[str, Any]], tok: Any, max
         if r["workload"] == "R2":
             extra = (f"  prefill tokens {o['prefill_tokens_per_call']:.0f}, prefix hits "
                      f"{o['prefix_hit_tokens_per_call']:.0f}/{o['prefix_queried_tokens_per_call']:.0f} tokens")
-        print(f"  ours {r['key']:<42} {o['tok_s']:8.1f} tok/s  ({med:.2f}s; warm-up {warm_s:.1f}s; "
+        print(f"  ours {r['key']:<50} {o['tok_s']:8.1f} tok/s  ({med:.2f}s; warm-up {warm_s:.1f}s; "
               f"{o['steps_per_call']:.0f} steps; {o['compiles_in_timed_calls']} compiles timed){extra}", flush=True)
 
     stats = engine.stats()
@@ -226,7 +226,7 @@ def run_hf(args: argparse.Namespace, runs: list[dict[str, Any]], pad_id: int) ->
             r["greedy_agreement"] = dict(identical=sum(x == y for x, y in zip(ours, theirs)) / len(ours),
                                          mean_common_prefix=float(np.mean(common)))
         done[r["label"]] = r["hf"]
-        print(f"  HF   {r['key']:<42} {r['hf']['tok_s']:8.1f} tok/s  ({med:.2f}s)", flush=True)
+        print(f"  HF   {r['key']:<50} {r['hf']['tok_s']:8.1f} tok/s  ({med:.2f}s)", flush=True)
     for r in runs:
         if "hf_same_as" in r and "hf" not in r:
             r["hf"] = done.get(r["hf_same_as"])

@@ -65,12 +65,12 @@ def grpo_advantages(rewards: np.ndarray, group_ids: np.ndarray) -> np.ndarray:
 class Config:
     model: str | None = None  # HF dir / .gguf; None = embedded SmolLM2-135M-Instruct
     tiny: bool = False  # random 2-layer model with the real tokenizer (smoke runs, tests)
-    steps: int = 30
-    prompts_per_step: int = 8
+    steps: int = 24
+    prompts_per_step: int = 4
     group_size: int = 8
     max_tokens: int = 24
     temperature: float = 1.0
-    lr: float = 5e-5
+    lr: float = 7e-5
     train_layers: int = 4
     clip_eps: float = 0.2
     kl_coef: float = 0.0
@@ -125,7 +125,7 @@ class Trainer:
         # Fixed shapes for the jitted loss: prompt budget (longest prompt of a sample + slack) + max_tokens.
         probe = rl.make_problems(np.random.default_rng(12345), 64)
         longest = max(len(tokenizer.encode(rl.build_prompt(tokenizer, p))) for p in probe)
-        self.seq_len = -(-(longest + 8 + cfg.max_tokens) // 16) * 16
+        self.seq_len = -(-(longest + 2 + cfg.max_tokens) // 8) * 8
         self.engine = Engine.from_model(self.model, tokenizer, max_num_seqs=max(64, cfg.prompts_per_step * cfg.group_size),
                                         max_model_len=self.seq_len, max_num_batched_tokens=cfg.max_num_batched_tokens,
                                         seed=cfg.seed)
@@ -164,7 +164,7 @@ class Trainer:
         else:
             rewards = np.array([s[0] for s in scored], np.float32)
         adv = cfg.advantage_fn(rewards, batch.group_ids)
-        seq_len = max(self.seq_len, -(-batch.input_ids.shape[1] // 16) * 16)
+        seq_len = max(self.seq_len, -(-batch.input_ids.shape[1] // 8) * 8)
         packed = rl.pack(batch, adv, seq_len, cfg.max_tokens)
 
         t1 = time.perf_counter()

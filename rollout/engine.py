@@ -177,6 +177,10 @@ class Engine:
         self.policy_version = version if version is not None else (self.policy_version or 0) + 1
         self.stats_.num_weight_syncs += 1
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt prefix (the next requests recompute their prompts)."""
+        self.block_manager.invalidate_prefix_cache()
+
     @property
     def model(self) -> LlamaForCausalLM:
         """The model bound to the engine's current parameters (for a reference forward pass)."""

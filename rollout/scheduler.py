@@ -61,9 +61,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _admissible(self, seq: Sequence) -> bool:
-        # Samples after the first wait until the prompt's K/V exists, then share its blocks.
-        return seq.sample_index == 0 or seq.request_id in self._prefilled_requests
+    def _admissible(self, seq: Sequence, prompt_in_step: set[int]) -> bool:
+        # Samples after the first wait until the prompt's K/V exists (or is computed whole in this
+        # step: K/V is written before attention reads it), then share its blocks.
+        return (seq.sample_index == 0 or seq.request_id in self._prefilled_requests
+                or seq.request_id in prompt_in_step)
 
     def schedule(self) -> ScheduledBatch:
         batch = self._schedule_prefill()
@@ -81,10 +83,12 @@ class Scheduler:
                 seqs.append(seq)
                 counts.append(take)
                 budget -= take
+                self.block_manager.register_computed(seq, seq.num_computed_tokens + take)
         skipped: list[Sequence] = []
+        prompt_in_step: set[int] = set()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.popleft()
-            if not self._admissible(seq):
+            if not self._admissible(seq, prompt_in_step):
                 skipped.append(seq)
                 continue
             if not self.block_manager.can_allocate(seq):
@@ -97,9 +101,11 @@ class Scheduler:
             seqs.append(seq)
             counts.append(take)
             budget -= take
-        self.waiting.extendleft(reversed(skipped))
-        for seq, take in zip(seqs, counts):
+            # Published at once, so later prompts of this same step can share these blocks.
             self.block_manager.register_computed(seq, seq.num_computed_tokens + take)
+            if seq.num_computed_tokens + take >= seq.num_prompt_tokens:
+                prompt_in_step.add(seq.request_id)
+        self.waiting.extendleft(reversed(skipped))
         return ScheduledBatch(True, seqs, counts)
 
     def _schedule_decode(self) -> ScheduledBatch:

@@ -14,9 +14,11 @@ import dataclasses
 import numpy as np
 
 from rollout.scheduler import ScheduledBatch
+from runner.compile_counter import num_compilations
 from runner.spec_decode.ngram import NgramConfig, propose_batch
 
 EMA = 0.2
+EXPLORE_EVERY = 16  # one decision in this many takes the other path, so both step times stay measured
 
 
 @dataclasses.dataclass
@@ -51,9 +53,12 @@ class Speculator:
         self.stats = SpecStats()
         self._seconds: dict[tuple[bool, int], float] = collections.defaultdict(float)
         self._acceptance = 1.0  # optimistic until measured
+        self._decisions = 0
+        self._compiles = 0  # compilations before the step being timed (a step that compiles is not timed)
 
     def propose(self, batch: ScheduledBatch) -> list[np.ndarray] | None:
         """Drafts per sequence of a decode batch, or None to decode plainly this step."""
+        self._compiles = num_compilations()
         if batch.is_prefill or not batch.seqs:
             return None
         if not self._worth_it(len(batch.seqs)):
@@ -77,12 +82,16 @@ class Speculator:
         spec = self._seconds.get((True, num_seqs))
         if spec is None:
             return True
+        self._decisions += 1
+        explore = self._decisions % EXPLORE_EVERY == 0
         if plain is None:  # measure plain decoding once in a while, then judge
-            return (self.stats.num_draft_steps + 1) % 16 != 0
+            return not explore
         expected_tokens = 1.0 + self._acceptance * self.config.k
-        return expected_tokens / spec >= 1.0 / plain
+        return (expected_tokens / spec >= 1.0 / plain) != explore  # re-measure the losing path now and then
 
     def record_step(self, num_seqs: int, drafted: bool, seconds: float) -> None:
+        if num_compilations() != self._compiles:  # compile time, not step time
+            return
         key = (drafted, num_seqs)
         old = self._seconds.get(key)
         self._seconds[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds

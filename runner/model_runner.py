@@ -28,7 +28,6 @@ from runner.sharding import kv_cache_sharding, make_mesh, shard_params
 
 SAMPLER_MODES = ("greedy", "random", "filtered")
 MAX_SUPPRESS = 8  # ids a request may forbid per step (EOS + stop ids before min_tokens)
-_ONE = True
 VERIFY_Q_LEN = 8  # attention rows of a speculative verification step hold up to this many tokens
 
 
@@ -179,7 +178,7 @@ class ModelRunner:
             piece_len = 1
         elif b.logits_indices is not None:  # speculative verification: a row per token
             padded_tokens = rows = pick(bk.token_buckets, num_tokens)
-            piece_len = 1 if _ONE else (VERIFY_Q_LEN if int(np.max(b.q_lens)) <= VERIFY_Q_LEN else bk.query_block)
+            piece_len = VERIFY_Q_LEN if int(np.max(b.q_lens)) <= VERIFY_Q_LEN else bk.query_block
         else:
             padded_tokens = pick(bk.token_buckets, num_tokens)
             rows = bk.prefill_rows(padded_tokens)

@@ -46,6 +46,23 @@ def _greedy_logprobs(engine, prompt: str) -> np.ndarray:
     return np.array([t.logprob for t in out.logprobs])
 
 
+def _check_pack_alignment(trainer: grpo.Trainer) -> None:
+    """`pack`'s gathered positions / targets agree with the RolloutBatch's loss_mask alignment."""
+    problems = rl.make_problems(np.random.default_rng(0), 3)
+    batch = trainer.engine.rollout([rl.build_prompt(trainer.tokenizer, p) for p in problems],
+                                   trainer.sampling_params(0))
+    c = trainer.cfg.max_tokens
+    p = rl.pack(batch, np.zeros(len(batch.group_ids)), trainer.seq_len, c)
+    for b in range(len(batch.group_ids)):
+        for j in range(c):
+            t = p["gather_idx"][b, j]
+            if p["mask"][b, j]:
+                assert batch.loss_mask[b, t] == 1.0
+                assert batch.input_ids[b, t + 1] == p["targets"][b, j]
+                assert batch.logprobs[b, t] == p["old_logprobs"][b, j]
+    assert p["mask"].sum() == batch.loss_mask.sum()
+
+
 def test_grpo_two_steps_tiny() -> None:
     # A random model never writes "Answer: N", so every task reward would be 0 and every advantage 0;
     # a text-hash reward gives the groups spread, so the update is not trivially zero.
@@ -53,6 +70,7 @@ def test_grpo_two_steps_tiny() -> None:
                       train_layers=1, out_dir=None, reward_fn=lambda text, _p: float(sum(map(ord, text)) % 7))
     trainer = grpo.Trainer(cfg)
     probe = rl.build_prompt(trainer.tokenizer, rl.Problem("What is 12 + 30?", 42))
+    _check_pack_alignment(trainer)
     engine_before = _greedy_logprobs(trainer.engine, probe)
     params_before = jax.tree.map(np.array, trainer.trainable)
     frozen_before = jax.tree.map(np.array, trainer.frozen)
@@ -76,24 +94,6 @@ def test_grpo_two_steps_tiny() -> None:
 
     engine_after = _greedy_logprobs(trainer.engine, probe)
     assert np.abs(engine_after - engine_before).max() > 1e-4, "engine outputs should change after sync_weights"
-
-
-def test_pack_alignment_tiny() -> None:
-    """`pack`'s gathered positions / targets agree with the RolloutBatch's loss_mask alignment."""
-    cfg = grpo.Config(tiny=True, steps=0, prompts_per_step=3, group_size=2, max_tokens=6, out_dir=None)
-    trainer = grpo.Trainer(cfg)
-    problems = rl.make_problems(np.random.default_rng(0), 3)
-    batch = trainer.engine.rollout([rl.build_prompt(trainer.tokenizer, p) for p in problems],
-                                   trainer.sampling_params(0))
-    p = rl.pack(batch, np.zeros(len(batch.group_ids)), trainer.seq_len, cfg.max_tokens)
-    for b in range(len(batch.group_ids)):
-        for j in range(cfg.max_tokens):
-            t = p["gather_idx"][b, j]
-            if p["mask"][b, j]:
-                assert batch.loss_mask[b, t] == 1.0
-                assert batch.input_ids[b, t + 1] == p["targets"][b, j]
-                assert batch.logprobs[b, t] == p["old_logprobs"][b, j]
-    assert p["mask"].sum() == batch.loss_mask.sum()
 
 
 @pytest.mark.parametrize("script", ["grpo", "rloo"])

@@ -350,7 +350,7 @@ def test_single_sequence_that_cannot_fit_raises() -> None:
             simulate(sched, sched.schedule())
 
 
-def test_n_samples_wait_for_sample_zero_then_share_its_blocks() -> None:
+def test_n_samples_share_the_prompt_blocks_of_sample_zero_in_the_same_step() -> None:
     sched = make_scheduler(num_blocks=32, block_size=4, budget=64)
     prompt = list(range(30, 40))  # 10 tokens: 2 shareable blocks
     siblings = [make_seq(prompt, request_id=77, sample_index=i, max_tokens=3) for i in range(3)]
@@ -358,13 +358,10 @@ def test_n_samples_wait_for_sample_zero_then_share_its_blocks() -> None:
     for s in siblings + [other]:
         sched.add(s)
     batch = sched.schedule()
-    # Samples 1 and 2 are skipped (kept in order at the head of the queue); `other` goes ahead.
-    assert batch.seqs == [siblings[0], other]
-    assert list(sched.waiting) == siblings[1:]
-    simulate(sched, batch)
-    batch = sched.schedule()
-    assert batch.is_prefill and batch.seqs == siblings[1:]
-    assert batch.num_new_tokens == [2, 2]  # only the last (partial) block is computed
+    # Sample 0's whole prompt is computed in this step, so its siblings join the same step and
+    # compute only their last (partial) block: K/V is written before attention reads it.
+    assert batch.seqs == siblings + [other]
+    assert batch.num_new_tokens == [10, 2, 2, 3]
     first = siblings[0].block_table
     for s in siblings[1:]:
         assert s.block_table[:2] == first[:2] and s.block_table[2] != first[2]
@@ -375,5 +372,23 @@ def test_n_samples_wait_for_sample_zero_then_share_its_blocks() -> None:
     simulate(sched, batch)
     run_to_completion(sched)
     assert all(s.is_finished for s in siblings)
-    sched.forget_request(77)
+
+
+def test_n_samples_wait_while_sample_zero_prompt_is_chunked() -> None:
+    sched = make_scheduler(num_blocks=32, block_size=4, budget=8)
+    prompt = list(range(30, 42))  # 12 tokens > budget 8: sample 0 is chunked
+    siblings = [make_seq(prompt, request_id=78, sample_index=i, max_tokens=3) for i in range(2)]
+    for s in siblings:
+        sched.add(s)
+    batch = sched.schedule()
+    assert batch.seqs == [siblings[0]] and batch.num_new_tokens == [8]
+    assert list(sched.waiting) == [siblings[1]]
+    simulate(sched, batch)
+    batch = sched.schedule()
+    assert siblings[0] in batch.seqs
+    simulate(sched, batch)
+    run_to_completion(sched)
+    assert all(s.is_finished for s in siblings)
+    bm = sched.block_manager
+    sched.forget_request(78)
     assert bm.num_free_blocks == 32

@@ -1,0 +1,295 @@
+"""N-gram speculative decoding: outputs equal plain decoding token for token (exact replay).
+
+Reuses the tiny Llama, `ByteTokenizer` and budgets of `tests/test_engine.py`, so the compiled step
+programs are shared with it process-wide. Exactness tests use `auto_disable=False` so that every
+decode step drafts. Logprobs are compared with a float32-ulp tolerance: a verification step runs
+another compiled program (other matmul / attention shapes) than a plain decode step, so the same
+logprob may differ in its last float32 bits (measured: ~2.4e-6 on logprobs of magnitude <= ~7, 2.7e-5
+on -52.5; plain decoding alone is bitwise reproducible across batch sizes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from rollout import Engine, NgramConfig, SamplingParams
+from rollout.speculator import Speculator
+from runner.compile_counter import num_compilations
+from runner.spec_decode.ngram import propose_batch, propose_ngram
+from test_engine import ENGINE_KW, MAX_LEN, ByteTokenizer, make_model, rand_prompt
+
+SPEC = NgramConfig(k=4, prompt_lookup_min=1, prompt_lookup_max=3, auto_disable=False)
+
+
+def close(a: float, b: float) -> bool:
+    """Equal up to float32 last-bit differences between compiled programs (see module docstring)."""
+    return a == b or abs(a - b) <= 1e-5 + 1e-6 * abs(a)  # a == b: -inf (filtered by top_p)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model()
+
+
+@pytest.fixture(scope="module")
+def plain(model) -> Engine:
+    return Engine.from_model(model, ByteTokenizer(), **ENGINE_KW)
+
+
+@pytest.fixture(scope="module")
+def spec(model) -> Engine:
+    return Engine.from_model(model, ByteTokenizer(), **ENGINE_KW, speculative=SPEC)
+
+
+def repetitive_prompts(seed: int, count: int) -> list[list[int]]:
+    """Short random phrases repeated a few times: n-gram lookup finds them, so drafts get accepted."""
+    rng = np.random.default_rng(seed)
+    return [rand_prompt(rng, int(rng.integers(3, 8))) * int(rng.integers(3, 6)) for _ in range(count)]
+
+
+def assert_same(expected, got, logprobs: bool = False) -> None:
+    assert len(expected) == len(got)
+    for e_req, g_req in zip(expected, got):
+        assert len(e_req.outputs) == len(g_req.outputs)
+        for e, g in zip(e_req.outputs, g_req.outputs):
+            assert g.token_ids == e.token_ids
+            assert (g.finish_reason, g.stop_reason) == (e.finish_reason, e.stop_reason)
+            if logprobs:
+                assert len(g.logprobs) == len(e.logprobs)
+                for a, b in zip(e.logprobs, g.logprobs):
+                    assert a.token_id == b.token_id
+                    assert close(a.logprob, b.logprob)
+                    assert a.top.keys() == b.top.keys()
+                    assert all(close(a.top[t], b.top[t]) for t in a.top)
+
+
+# ---- propose_ngram ----------------------------------------------------------------------------
+
+def ids(*xs: int) -> np.ndarray:
+    return np.array(xs, np.int32)
+
+
+def test_ngram_latest_match_wins() -> None:
+    # the tail "1 2" occurs twice earlier; the later occurrence (followed by 7 8) wins
+    assert propose_ngram(ids(1, 2, 5, 6, 1, 2, 7, 8, 1, 2), k=2, min_n=1, max_n=3).tolist() == [7, 8]
+
+
+def test_ngram_longest_n_first() -> None:
+    # n=3 "4 1 2" matches only the early occurrence (-> 9); n=2 "1 2" would match the later one (-> 7)
+    h = ids(4, 1, 2, 9, 9, 1, 2, 7, 4, 1, 2)
+    assert propose_ngram(h, k=1, min_n=1, max_n=3).tolist() == [9]
+    assert propose_ngram(h, k=1, min_n=1, max_n=2).tolist() == [7]
+    # min_n bounds how short a match may be: only a unigram matches here
+    h2 = ids(3, 5, 6, 4, 3)
+    assert propose_ngram(h2, k=2, min_n=1, max_n=3).tolist() == [5, 6]
+    assert propose_ngram(h2, k=2, min_n=2, max_n=3).tolist() == []
+
+
+def test_ngram_no_match_is_empty() -> None:
+    assert propose_ngram(ids(1, 2, 3, 4), k=4, min_n=1, max_n=3).tolist() == []
+    assert propose_ngram(ids(5), k=4, min_n=1, max_n=3).tolist() == []
+    assert propose_ngram(ids(), k=4, min_n=1, max_n=3).tolist() == []
+
+
+def test_ngram_k_caps_and_history_end() -> None:
+    h = ids(1, 2, 3, 4, 5, 6, 1)
+    assert propose_ngram(h, k=3, min_n=1, max_n=3).tolist() == [2, 3, 4]
+    assert propose_ngram(h, k=10, min_n=1, max_n=3).tolist() == [2, 3, 4, 5, 6, 1]  # up to the end
+    # a repeated token: the latest earlier match is the one just before the tail
+    assert propose_ngram(ids(7, 7, 7, 7), k=4, min_n=1, max_n=3).tolist() == [7]
+    # per-sequence limits (room left before max_tokens / max_model_len); <= 0 means no draft
+    cfg = NgramConfig(k=3)
+    out = propose_batch([h, h, h], [2, 0, -1], cfg)
+    assert [d.tolist() for d in out] == [[2, 3], [], []]
+
+
+def test_ngram_config_validation(model) -> None:
+    with pytest.raises(ValueError):
+        NgramConfig(k=0)
+    with pytest.raises(ValueError):
+        NgramConfig(prompt_lookup_min=3, prompt_lookup_max=2)
+    with pytest.raises(ValueError):
+        Engine.from_model(model, ByteTokenizer(), **ENGINE_KW, speculative=NgramConfig(k=8))
+
+
+# ---- exactness ----------------------------------------------------------------------------------
+
+CASES = {
+    "greedy": dict(temperature=0.0),
+    "t1.0": dict(temperature=1.0),
+    "t0.7_top_p0.9": dict(temperature=0.7, top_p=0.9),
+    "logprobs_raw": dict(temperature=1.0, logprobs=2),
+    "logprobs_processed": dict(temperature=0.7, top_p=0.9, logprobs=2, logprobs_mode="processed"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_spec_equals_plain(plain: Engine, spec: Engine, case: str) -> None:
+    before = spec.stats().speculative
+    for batch_size in (1, 8, 32):
+        prompts = repetitive_prompts(100 + batch_size, batch_size)
+        params = [SamplingParams(seed=i, max_tokens=24, ignore_eos=True, **CASES[case]) for i in range(batch_size)]
+        assert_same(plain.generate(prompts, params), spec.generate(prompts, params), logprobs="logprobs" in case)
+    after = spec.stats().speculative
+    assert after.num_draft_steps > before.num_draft_steps
+    assert after.accepted_tokens > before.accepted_tokens  # repetitive prompts: drafts get accepted
+    assert after.num_disabled_steps == 0  # auto_disable=False
+
+
+def test_spec_n_samples_equal_plain(plain: Engine, spec: Engine) -> None:
+    prompts = repetitive_prompts(7, 3)
+    sp = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=20, logprobs=1, ignore_eos=True)
+    assert_same(plain.generate(prompts, sp), spec.generate(prompts, sp), logprobs=True)
+
+
+def test_spec_with_preemption_equals_plain(model, plain: Engine) -> None:
+    small = Engine.from_model(model, ByteTokenizer(), **ENGINE_KW, kv_cache_blocks=MAX_LEN // 16, speculative=SPEC)
+    prompts = repetitive_prompts(11, 6)
+    sp = SamplingParams(temperature=1.0, seed=3, max_tokens=48, logprobs=2, ignore_eos=True)
+    assert_same(plain.generate(prompts, sp), small.generate(prompts, sp), logprobs=True)
+    stats = small.stats()
+    assert stats.num_preemptions > 0
+    assert stats.speculative.accepted_tokens > 0
+
+
+# ---- stop rules ---------------------------------------------------------------------------------
+
+def test_max_tokens_and_max_model_len(plain: Engine, spec: Engine) -> None:
+    prompts = repetitive_prompts(21, 4)
+    for max_tokens in (1, 2, 3, 5, 6, 13):
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        outs = spec.generate(prompts, sp)
+        assert_same(plain.generate(prompts, sp), outs)
+        assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
+    # a prompt close to max_model_len: drafts must stop at the end of the context
+    long = [(repetitive_prompts(22, 1)[0] * 40)[:MAX_LEN - 9]]
+    sp = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+    outs = spec.generate(long, sp)
+    assert_same(plain.generate(long, sp), outs)
+    assert len(outs[0].outputs[0].token_ids) == 9 and outs[0].outputs[0].finish_reason == "length"
+
+
+def test_stop_token_ids_and_min_tokens(plain: Engine, spec: Engine) -> None:
+    prompts = repetitive_prompts(31, 4)
+    free = plain.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    for i, out in enumerate(free):
+        toks = out.outputs[0].token_ids
+        stop = toks[len(toks) // 3]  # a token the greedy output does produce
+        first = toks.index(stop)
+        for min_tokens in (0, first + 1, first + 3):  # + 1 / + 3: the first occurrence is masked
+            sp = SamplingParams(temperature=0.0, max_tokens=40, min_tokens=min_tokens, stop_token_ids=[stop],
+                                ignore_eos=True)
+            expected, got = plain.generate([prompts[i]], sp), spec.generate([prompts[i]], sp)
+            assert_same(expected, got)
+            c = got[0].outputs[0]
+            assert len(c.token_ids) >= min_tokens
+            if c.finish_reason == "stop":
+                assert c.token_ids[-1] == stop and stop not in c.token_ids[min_tokens:-1]
+
+
+def test_min_tokens_masks_eos() -> None:
+    """A model whose argmax is always EOS: min_tokens holds it off in every verification row."""
+    eos_model = make_model(eos_logit=20.0)
+    a = Engine.from_model(eos_model, ByteTokenizer(), **ENGINE_KW)
+    b = Engine.from_model(eos_model, ByteTokenizer(), **ENGINE_KW, speculative=SPEC)
+    prompts = repetitive_prompts(41, 3)
+    for sp in (SamplingParams(temperature=0.0, min_tokens=12, max_tokens=30),
+               SamplingParams(temperature=1.0, seed=2, min_tokens=7, max_tokens=30, logprobs=1)):
+        outs = b.generate(prompts, sp)
+        assert_same(a.generate(prompts, sp), outs, logprobs=sp.logprobs is not None)
+        for o in outs:
+            c = o.outputs[0]
+            assert c.finish_reason == "stop" and len(c.token_ids) == sp.min_tokens + 1 and c.token_ids[-1] == 1
+    assert b.stats().speculative.num_draft_steps > 0
+
+
+# ---- weight sync, compilation, auto-disable ---------------------------------------------------------
+
+def test_sync_weights_then_spec_equals_plain(model) -> None:
+    a = Engine.from_model(model, ByteTokenizer(), **ENGINE_KW)
+    b = Engine.from_model(model, ByteTokenizer(), **ENGINE_KW, speculative=SPEC)
+    prompts = repetitive_prompts(51, 4)
+    sp = SamplingParams(temperature=1.0, seed=9, max_tokens=32, logprobs=1, ignore_eos=True)
+    old = b.generate(prompts, sp)
+
+    other = make_model()
+    rng = np.random.default_rng(1)
+    state = nnx.state(other, nnx.Param)
+    nnx.update(other, jax.tree.map(lambda x: x + jnp.asarray(0.3 * rng.standard_normal(x.shape), x.dtype), state))
+    new_params = nnx.state(other, nnx.Param)
+    a.sync_weights(new_params)
+    b.sync_weights(new_params)
+
+    new = b.generate(prompts, sp)
+    assert_same(a.generate(prompts, sp), new, logprobs=True)
+    assert [o.outputs[0].token_ids for o in new] != [o.outputs[0].token_ids for o in old]  # the policy changed
+    assert all(o.outputs[0].policy_version == 1 for o in new)
+    by_version = b.stats().speculative.acceptance_by_version
+    assert set(by_version) == {None, 1} and by_version[1][0] > 0
+
+
+def test_no_compilation_after_warmup(model) -> None:
+    e = Engine.from_model(model, ByteTokenizer(), **ENGINE_KW, speculative=SPEC)
+    e.warmup()
+    rng = np.random.default_rng(61)
+    calls = [
+        (repetitive_prompts(62, 1), SamplingParams(temperature=0.0, max_tokens=12)),
+        (repetitive_prompts(63, 8), SamplingParams(temperature=1.0, top_p=0.9, seed=1, max_tokens=12)),
+        (repetitive_prompts(64, 3), SamplingParams(temperature=1.0, logprobs=2, max_tokens=12)),
+        (repetitive_prompts(65, 2), SamplingParams(temperature=0.0, logprobs=1, logprobs_mode="processed",
+                                                   max_tokens=12)),
+        (repetitive_prompts(66, 13), SamplingParams(min_tokens=3, stop_token_ids=[5], max_tokens=12)),
+        ([rand_prompt(rng, 110)], SamplingParams(temperature=0.0, max_tokens=30)),  # chunked, up to max_model_len
+    ]
+    before = num_compilations()
+    for prompts, sp in calls:
+        e.generate(prompts, sp)
+    assert num_compilations() - before == 0
+    assert e.stats().speculative.accepted_tokens > 0
+
+
+def test_auto_disable_on_unhelpful_drafts(model) -> None:
+    """Random prompts: drafts are rarely accepted and verification costs more, so drafting turns off."""
+    e = Engine.from_model(model, ByteTokenizer(), **ENGINE_KW, 
+                          speculative=dataclasses.replace(SPEC, auto_disable=True))
+    rng = np.random.default_rng(71)
+    prompts = [rand_prompt(rng, 20) for _ in range(8)]
+    e.generate(prompts, SamplingParams(temperature=1.0, seed=0, max_tokens=64, ignore_eos=True))
+    s = e.stats().speculative
+    assert s.num_draft_steps > 0  # it did try
+    assert s.num_disabled_steps > 0, s
+
+
+def decisions(s: Speculator, num_seqs: int, count: int) -> list[bool]:
+    return [s._worth_it(num_seqs) for _ in range(count)]
+
+
+def test_worth_it_decision() -> None:
+    """`_worth_it` with recorded timings: throughputs decide; one decision in 16 re-measures the other path."""
+    s = Speculator(NgramConfig(k=4, auto_disable=True), max_model_len=128, max_num_batched_tokens=64)
+    assert s._worth_it(8)  # nothing measured: draft
+    s.record_step(8, True, 0.020)
+    assert decisions(s, 8, 16) == [True] * 15 + [False]  # plain not measured yet: the 16th step measures it
+    s.record_step(8, False, 0.010)
+    # optimistic acceptance (1.0): 5 tokens / 20 ms beats 1 token / 10 ms
+    assert decisions(s, 8, 16) == [True] * 15 + [False]  # (the 16th re-measures plain decoding)
+    for _ in range(30):  # nothing accepted: 1 token / 20 ms loses
+        s.record_acceptance(4, 0, 1, None)
+    assert decisions(s, 8, 16) == [False] * 15 + [True]  # (the 16th re-measures drafting)
+    for _ in range(30):  # half accepted: 1 + 0.5 * 4 = 3 tokens / 20 ms beats 1 / 10 ms
+        s.record_acceptance(4, 2, 3, None)
+    assert decisions(s, 8, 15).count(True) == 15
+    assert s._worth_it(1)  # batch sizes are judged separately: nothing measured for 1 sequence
+    for _ in range(30):  # plain decoding got faster: 1 token / 5 ms beats 3 tokens / 20 ms
+        s.record_step(8, False, 0.005)
+    assert decisions(s, 8, 15).count(False) >= 14
+    off = Speculator(NgramConfig(auto_disable=False), 128, 64)
+    off.record_step(8, True, 1.0)
+    off.record_step(8, False, 0.001)
+    assert decisions(off, 8, 32) == [True] * 32  # auto_disable=False: always draft
