@@ -8,8 +8,8 @@ Each step:
      the sampled tokens' logprobs (temperature 1, `logprobs_mode="raw"`: exactly the trainer's
      `log_softmax(logits)`; at another `--temperature` we ask for "processed" and the trainer divides
      its logits by the temperature);
-  2. reward = 1.0 * correct + 0.1 * formatted (the last line is `Answer: <integer>`; see
-     `rl_common.py`); advantage = (r - mean of its group) / (std of its group + 1e-4);
+  2. reward = 1.0 * correct + 0.1 * formatted + 0.5 * closeness (the last line is
+     `Answer: <integer>`; closeness = max(0, 1 - |answer - truth| / 20); see `rl_common.py`); advantage = (r - mean of its group) / (std of its group + 1e-4);
   3. one Optax step on the clipped policy-gradient loss
         -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A) (+ kl_coef * K3(pi || pi_init)),
      ratio = exp(logp_trainer - logp_engine), token-level mean over the batch. The trainer's logp
@@ -70,7 +70,7 @@ class Config:
     group_size: int = 8
     max_tokens: int = 24
     temperature: float = 1.0
-    lr: float = 7e-5
+    lr: float = 1e-4
     train_layers: int = 4
     clip_eps: float = 0.2
     kl_coef: float = 0.0

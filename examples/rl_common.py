@@ -8,12 +8,15 @@ The prompt is a short system instruction, one worked example turn ("What is 25 +
 (Without the example turn SmolLM2-135M almost never uses the format: reward 0 everywhere, nothing to
 learn from. With it, about 80% of its samples are formatted and ~15% correct at the start.)
 
-The reward of one completion (in [0, 1.1]):
+The reward of one completion (in [0, 1.6]):
 
-    reward = 1.0 * correct + 0.1 * formatted
+    reward = 1.0 * correct + 0.1 * formatted + 0.5 * closeness
 
 - `formatted`: the last non-empty line of the completion is `Answer: <integer>` (nothing else on it);
-- `correct`: that integer equals the true result (so a correct answer is always formatted too).
+- `correct`: that integer equals the true result (so a correct answer is always formatted too);
+- `closeness`: partial credit for a formatted answer, max(0, 1 - |answer - truth| / 20) (1 when
+  correct). Without it a group whose G answers are all wrong (frequent for a 135M model) has zero
+  advantage everywhere and teaches nothing; with it "wrong by 2" beats "wrong by 200".
 `accuracy` in the logs is the fraction of completions that are correct.
 """
 
@@ -38,6 +41,8 @@ SYSTEM_PROMPT = "You are a calculator. Reply with one line: Answer: <number>"
 EXAMPLE_TURN = ({"role": "user", "content": "What is 25 + 17?"},
                 {"role": "assistant", "content": "25 + 17 = 42\nAnswer: 42"})
 FORMAT_REWARD = 0.1
+CLOSENESS_REWARD = 0.5
+CLOSENESS_SCALE = 20.0
 _ANSWER_LINE = re.compile(r"^\s*Answer:\s*(-?\d+)\s*\.?\s*$")
 
 
@@ -73,7 +78,8 @@ def score(text: str, answer: int) -> tuple[float, bool, bool]:
     m = _ANSWER_LINE.match(lines[-1]) if lines else None
     formatted = m is not None
     correct = formatted and int(m.group(1)) == answer
-    return float(correct) + FORMAT_REWARD * float(formatted), correct, formatted
+    closeness = max(0.0, 1.0 - abs(int(m.group(1)) - answer) / CLOSENESS_SCALE) if formatted else 0.0
+    return float(correct) + FORMAT_REWARD * float(formatted) + CLOSENESS_REWARD * closeness, correct, formatted
 
 
 # ---- the trainer's forward: frozen trunk, trainable top -----------------------------------------

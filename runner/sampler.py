@@ -208,8 +208,10 @@ def _candidate_filter_mask(
     """
     num_rows, vocab = scaled.shape
     # Descending, ties by ascending token id. The barrier stops XLA:CPU from turning top_k + slice
-    # back into a full sort.
-    desc, ids = lax.optimization_barrier(lax.top_k(scaled, num_candidates))
+    # back into a full sort. One barrier per output: a barrier over the (values, ids) tuple crashes
+    # XLA's SPMD partitioner when the logits are sharded over a mesh.
+    desc, ids = lax.top_k(scaled, num_candidates)
+    desc, ids = lax.optimization_barrier(desc), lax.optimization_barrier(ids)
     row_max = desc[:, :1]
     top_k = inputs.top_k.astype(jnp.int32)
     k_off = (top_k <= 0) | (top_k >= vocab)

@@ -18,9 +18,10 @@ import rloo  # noqa: E402
 
 
 def test_score() -> None:
-    assert rl.score("Answer: 85", 85) == (1.0 + rl.FORMAT_REWARD, True, True)
+    assert rl.score("Answer: 85", 85) == (1.0 + rl.FORMAT_REWARD + rl.CLOSENESS_REWARD, True, True)
     assert rl.score("37 + 48 = 85\nAnswer: 85\n", 85)[1]
-    assert rl.score("Answer: 84", 85) == (rl.FORMAT_REWARD, False, True)
+    assert rl.score("Answer: 84", 85) == (rl.FORMAT_REWARD + rl.CLOSENESS_REWARD * 0.95, False, True)
+    assert rl.score("Answer: 185", 85) == (rl.FORMAT_REWARD, False, True)
     assert rl.score("The answer is 85", 85) == (0.0, False, False)
     assert rl.score("Answer: 85 because", 85) == (0.0, False, False)
     assert rl.score("", 85) == (0.0, False, False)

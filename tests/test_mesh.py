@@ -86,3 +86,16 @@ def test_load_places_each_tensor_sharded(tmp_path) -> None:
     ids = np.arange(10)[None] % hf["vocab_size"]
     np.testing.assert_allclose(np.asarray(model(ids, np.arange(10)[None])),
                                np.asarray(reference(ids, np.arange(10)[None])), atol=1e-5)
+
+
+def test_filtered_sampling_with_vocab_sharded_logits() -> None:
+    """top-k/top-p over logits sharded by vocabulary (this once crashed XLA's SPMD partitioner)."""
+    cfg = ModelConfig(family="llama", vocab_size=1024, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(5))
+    sp = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=11, max_tokens=6, logprobs=0)
+    prompts = [[5, 6, 7, 8], [900, 901]]
+    ref = Engine.from_model(model, IdTokenizer(), **KW).generate(prompts, sp)
+    outs = Engine.from_model(model, IdTokenizer(), mesh=(1, 2), **KW).generate(prompts, sp)
+    for a, b in zip(outs, ref):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids

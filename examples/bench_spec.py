@@ -1,0 +1,142 @@
+"""Workload R3 (../shared/bench/WORKLOAD.md): n-gram speculative decoding vs plain decoding.
+
+Prompt i: a fixed paragraph of ~150 tokens followed by `Repeat the paragraph above exactly:`, sent as
+one user message through the tokenizer's chat template (`--no-chat` sends the raw text instead).
+B in {1, 8} prompts, greedy, 128 new tokens (max_tokens = 128; a sequence may stop at EOS), on the
+embedded SmolLM2-135M-Instruct in float32. Both engines live in one process and run back to back
+on the same prompts: tokens/s = generated tokens / wall seconds of the whole generate call, median
+of `--repeats` after one untimed warm-up; the prefix cache is cleared before every call. Reports the
+ratio, mean tokens emitted per sequence per verification step, the acceptance rate, the share of
+decode steps auto-disable skipped, and whether the outputs are identical token for token.
+
+Run: `python examples/bench_spec.py` (full), `--quick` (smoke test: B = 1, 32 tokens, 1 repeat),
+`--k 4`, `--batch-sizes 1,8`, `--repeats 3`, `--no-auto-disable`, `--json-out out.json`.
+Ends with one JSON line holding every figure.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_common
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+from typing import Any  # noqa: E402
+
+import bench_common as bc  # noqa: E402
+
+PARAGRAPHS = [
+    "The lighthouse at the end of the harbor was built in 1871 from granite blocks carried by ship from a quarry "
+    "up the coast. For more than a century its keepers climbed one hundred and twelve steps every evening to "
+    "light the lamp, wind the clockwork that turned the lens, and record the weather in a leather logbook. "
+    "When the light was automated in 1984, the last keeper moved into the village, where she taught the "
+    "children to read the tides, tie a bowline, and tell a tern from a gull by the shape of its wings. "
+    "Today the tower is a small museum, and on clear nights its beam still reaches twenty miles out to sea.",
+    "Bread begins with only four ingredients: flour, water, salt, and yeast. When the flour is mixed with water, "
+    "two proteins join to form gluten, a stretchy network that traps the gas the yeast releases as it feeds on "
+    "sugars. Kneading strengthens this network, and a long, cool rise lets the flavor develop slowly. Before "
+    "baking, the loaf is shaped tightly and slashed across the top so that it can expand in the hot oven "
+    "without tearing. The crust browns as sugars and proteins react at high heat, while the inside sets "
+    "into a soft crumb full of small holes. A good loaf should sound hollow when tapped on the bottom.",
+    "Honeybees live in colonies of tens of thousands of workers, a few hundred drones, and a single queen. "
+    "A worker's job changes as she ages: she first cleans cells, then feeds the young larvae, builds wax comb, "
+    "guards the entrance, and finally flies out to gather nectar and pollen from flowers. When a forager "
+    "finds a rich patch of flowers, she returns to the hive and performs a waggle dance, whose angle tells "
+    "her sisters the direction of the food relative to the sun and whose length tells them the distance. "
+    "In winter the bees cluster together and shiver their flight muscles to keep the queen warm.",
+    "The old railway line across the valley closed in 1962, and for years its bridges and cuttings were "
+    "slowly taken back by brambles and young birch trees. In 2005 a group of volunteers cleared the track "
+    "bed, repaired the stone viaduct, and laid a gravel path along the whole route. Now walkers and cyclists "
+    "follow the gentle gradient for eleven miles, passing a restored signal box, two tunnels lit by small "
+    "lamps, and a station platform where a cafe serves tea and cake on weekends. In spring the banks are "
+    "covered with primroses, and in autumn the beech woods above the line turn a deep copper red.",
+]
+INSTRUCTION = "Repeat the paragraph above exactly:"
+
+
+def prompt_ids(tok: Any, i: int, chat: bool) -> list[int]:
+    text = f"{PARAGRAPHS[i % len(PARAGRAPHS)]}\n\n{INSTRUCTION}"
+    if chat:
+        return list(tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True))
+    return tok.encode(text)
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smoke test: B = 1, 32 new tokens, 1 repeat")
+    ap.add_argument("--k", type=int, default=4, help="draft tokens per step (<= 7)")
+    ap.add_argument("--batch-sizes", default=None, help="comma-separated (default 1,8)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed calls per run, median reported (default 3)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="new tokens per sequence (default 128)")
+    ap.add_argument("--no-chat", action="store_true", help="raw prompt text instead of the chat template")
+    ap.add_argument("--no-auto-disable", action="store_true", help="draft on every decode step")
+    ap.add_argument("--json-out", default=None, help="also write the final JSON line to this file")
+    args = ap.parse_args()
+    args.batch_sizes = [int(b) for b in (args.batch_sizes or ("1" if args.quick else "1,8")).split(",")]
+    args.repeats = args.repeats or (1 if args.quick else 3)
+    args.max_tokens = args.max_tokens or (32 if args.quick else 128)
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    from rollout import Engine, NgramConfig, SamplingParams
+
+    spec_cfg = NgramConfig(k=args.k, prompt_lookup_min=1, prompt_lookup_max=3, auto_disable=not args.no_auto_disable)
+    kw = dict(max_num_seqs=max(args.batch_sizes), max_model_len=512)
+    plain = Engine.from_pretrained(None, **kw)
+    spec = Engine.from_model(plain.model, plain.tokenizer, **kw, speculative=spec_cfg)
+    tok = plain.tokenizer
+    sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    print(f"R3 speculative decoding: k={args.k}, auto_disable={spec_cfg.auto_disable}, chat={not args.no_chat}, "
+          f"{args.max_tokens} new tokens, median of {args.repeats}; {bc.cpu_settings()}")
+
+    rows, runs = [], []
+    for batch in args.batch_sizes:
+        prompts = [prompt_ids(tok, i, not args.no_chat) for i in range(batch)]
+        result: dict[str, Any] = dict(batch=batch, prompt_tokens=[len(p) for p in prompts])
+        outs = {}
+        for name, engine in (("plain", plain), ("spec", spec)):
+            before = engine.stats()
+            seconds, _, out, _ = bc.timed_median(lambda e=engine: e.generate(prompts, sp), args.repeats,
+                                                 before_each=engine.block_manager.invalidate_prefix_cache)
+            after = engine.stats()
+            tokens = sum(len(c.token_ids) for o in out for c in o.outputs)
+            outs[name] = [c.token_ids for o in out for c in o.outputs]
+            result[f"{name}_tok_s"] = tokens / seconds
+            result[f"{name}_seconds"] = seconds
+            result["new_tokens"] = tokens
+            result[f"{name}_compilations_timed"] = after.num_compilations - before.num_compilations
+            if name == "spec":
+                s0, s1 = before.speculative, after.speculative
+                delta = {f.name: getattr(s1, f.name) - getattr(s0, f.name)
+                         for f in dataclasses.fields(s1) if f.name != "acceptance_by_version"}
+                result["mean_accepted_per_step"] = (delta["emitted_tokens"] / delta["num_seq_steps"]
+                                                    if delta["num_seq_steps"] else 0.0)
+                result["acceptance_rate"] = (delta["accepted_tokens"] / delta["drafted_tokens"]
+                                             if delta["drafted_tokens"] else 0.0)
+                steps = delta["num_draft_steps"] + delta["num_disabled_steps"]
+                result["disabled_share"] = delta["num_disabled_steps"] / steps if steps else 0.0
+                result["spec_counters"] = delta
+        result["ratio"] = result["spec_tok_s"] / result["plain_tok_s"]
+        result["identical"] = outs["plain"] == outs["spec"]
+        runs.append(result)
+        rows.append([batch, result["new_tokens"], f"{result['plain_tok_s']:.1f}", f"{result['spec_tok_s']:.1f}",
+                     f"{result['ratio']:.2f}x", f"{result['mean_accepted_per_step']:.2f}",
+                     f"{result['acceptance_rate']:.2f}", f"{result['disabled_share']:.2f}", result["identical"]])
+        if batch == args.batch_sizes[0]:
+            print("sample output:", repr(tok.decode(outs["spec"][0])[:200]))
+
+    bc.print_table(["B", "new tokens", "plain tok/s", "spec tok/s", "ratio", "tokens/step", "accept rate",
+                    "disabled", "identical"], rows)
+    print(bc.json_line(dict(bench="spec-R3", k=args.k, auto_disable=spec_cfg.auto_disable, chat=not args.no_chat,
+                            max_tokens=args.max_tokens, repeats=args.repeats, runs=runs,
+                            all_identical=all(r["identical"] for r in runs)), args.json_out))
+
+
+if __name__ == "__main__":
+    main()
