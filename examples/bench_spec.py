@@ -101,9 +101,12 @@ def main() -> None:
         result: dict[str, Any] = dict(batch=batch, prompt_tokens=[len(p) for p in prompts])
         outs = {}
         for name, engine in (("plain", plain), ("spec", spec)):
+            engine.block_manager.invalidate_prefix_cache()
+            engine.generate(prompts, sp)  # untimed warm-up (compiles), outside the counters below
             before = engine.stats()
             seconds, _, out, _ = bc.timed_median(lambda e=engine: e.generate(prompts, sp), args.repeats,
-                                                 before_each=engine.block_manager.invalidate_prefix_cache)
+                                                 before_each=engine.block_manager.invalidate_prefix_cache,
+                                                 warmup=False)
             after = engine.stats()
             tokens = sum(len(c.token_ids) for o in out for c in o.outputs)
             outs[name] = [c.token_ids for o in out for c in o.outputs]
@@ -122,6 +125,8 @@ def main() -> None:
                 steps = delta["num_draft_steps"] + delta["num_disabled_steps"]
                 result["disabled_share"] = delta["num_disabled_steps"] / steps if steps else 0.0
                 result["spec_counters"] = delta
+                result["step_seconds"] = {f"{'spec' if d else 'plain'}@{n}": v
+                                          for (d, n), v in sorted(engine.speculator._seconds.items())}
         result["ratio"] = result["spec_tok_s"] / result["plain_tok_s"]
         result["identical"] = outs["plain"] == outs["spec"]
         runs.append(result)

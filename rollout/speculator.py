@@ -54,7 +54,7 @@ class Speculator:
         self._seconds: dict[tuple[bool, int], float] = collections.defaultdict(float)
         self._acceptance = 1.0  # optimistic until measured
         self._decisions = 0
-        self._compiles = 0  # compilations before the step being timed (a step that compiles is not timed)
+        self._compiles: int | None = None  # compilations before the timed step (a step that compiles is not timed)
 
     def propose(self, batch: ScheduledBatch) -> list[np.ndarray] | None:
         """Drafts per sequence of a decode batch, or None to decode plainly this step."""
@@ -90,7 +90,7 @@ class Speculator:
         return (expected_tokens / spec >= 1.0 / plain) != explore  # re-measure the losing path now and then
 
     def record_step(self, num_seqs: int, drafted: bool, seconds: float) -> None:
-        if num_compilations() != self._compiles:  # compile time, not step time
+        if self._compiles is not None and num_compilations() != self._compiles:  # compile time, not step time
             return
         key = (drafted, num_seqs)
         old = self._seconds.get(key)

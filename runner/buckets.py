@@ -55,6 +55,11 @@ class BucketConfig:
     def page_buckets(self) -> tuple[int, ...]:
         return (self.max_pages_per_seq,)
 
+    @property
+    def verify_buckets(self) -> tuple[int, ...]:
+        """Token (= sampled row) counts of speculative verification steps: small ones for small batches."""
+        return tuple(sorted(set(self.seq_buckets) | set(self.token_buckets)))
+
     def prefill_rows(self, num_tokens: int) -> int:
         """Sampling rows of a prefill step of `num_tokens` (padded) tokens."""
         return pick(self.seq_buckets, min(self.max_num_seqs, num_tokens))

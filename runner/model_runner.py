@@ -177,8 +177,8 @@ class ModelRunner:
             padded_tokens = rows = pick(bk.seq_buckets, num_seqs)
             piece_len = 1
         elif b.logits_indices is not None:  # speculative verification: a row per token
-            padded_tokens = rows = pick(bk.token_buckets, num_tokens)
-            piece_len = VERIFY_Q_LEN if int(np.max(b.q_lens)) <= VERIFY_Q_LEN else bk.query_block
+            padded_tokens = rows = pick(bk.verify_buckets, num_tokens)
+            piece_len = VERIFY_Q_LEN  # k <= 7 drafts + the last token
         else:
             padded_tokens = pick(bk.token_buckets, num_tokens)
             rows = bk.prefill_rows(padded_tokens)
@@ -204,7 +204,12 @@ class ModelRunner:
         piece_start = seq_start[piece_seq] + piece_rank * piece_len
         piece_end = np.minimum(piece_start + piece_len, (seq_start + b.q_lens)[piece_seq])
         kv_start = (b.kv_lens - b.q_lens)[piece_seq]
-        num_pieces = rows if b.logits_indices is not None or b.is_decode else bk.prefill_pieces(padded_tokens)
+        if b.is_decode:
+            num_pieces = rows
+        elif b.logits_indices is not None:  # one attention row per sequence (its <= 8 tokens)
+            num_pieces = bk.prefill_rows(padded_tokens)  # >= sequences: each has >= 1 token
+        else:
+            num_pieces = bk.prefill_pieces(padded_tokens)
         cu_q_lens = np.full(num_pieces + 1, num_tokens, np.int32)
         cu_q_lens[0] = 0
         cu_q_lens[1:len(piece_seq) + 1] = piece_end
@@ -258,11 +263,14 @@ class ModelRunner:
             variants = [dummy]
             if prompt_logprobs and not decode:
                 variants.append(dataclasses.replace(dummy, target_ids=np.zeros_like(dummy.token_ids)))
-            if speculative_k and not decode and n <= bk.max_num_seqs * (speculative_k + 1):
-                variants.append(self._dummy_verify(n, pages, speculative_k, top))
             for step in variants:
                 self.run(step)
                 count += 1
+        if speculative_k:
+            for n, top in itertools.product(bk.verify_buckets, tops):
+                if n <= bk.max_num_seqs * (speculative_k + 1):
+                    self.run(self._dummy_verify(n, bk.page_buckets[-1], speculative_k, top))
+                    count += 1
         return count
 
     def _dummy_verify(self, n: int, pages: int, k: int, num_top: int) -> StepBatch:
