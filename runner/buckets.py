@@ -35,7 +35,7 @@ class BucketConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_pages_per_seq: int
-    min_seqs: int = 8
+    min_seqs: int = 1  # XLA:CPU runs a 1-row decode ~3x faster than an 8-row one: no padding up
     min_tokens: int = 32
     query_block: int = 32  # prefill queries are attended in pieces of at most this many tokens
 
