@@ -13,22 +13,11 @@ from runner.models.config import ModelConfig
 from runner.models.llama import LlamaForCausalLM
 from runner.sharding import make_mesh
 
+from multihost_common import IdTokenizer
+
 CFG = ModelConfig(family="qwen2", vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=8, num_key_value_heads=4, head_dim=8, qkv_bias=True)
 KW = dict(max_num_seqs=8, max_model_len=96, max_num_batched_tokens=64, block_size=8)
-
-
-class IdTokenizer:
-    """Token ids only (prompts are given as id lists)."""
-
-    eos_token_ids: tuple[int, ...] = ()
-    pad_token_id = 0
-
-    def encode(self, text: str) -> list[int]:
-        return [ord(c) % 96 for c in text]
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return " ".join(map(str, ids))
 
 
 @pytest.fixture(scope="module")
