@@ -88,3 +88,66 @@ def test_filtered_sampling_with_vocab_sharded_logits() -> None:
     outs = Engine.from_model(model, IdTokenizer(), mesh=(1, 2), **KW).generate(prompts, sp)
     for a, b in zip(outs, ref):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+def test_sharded_load_reads_each_device_slice_only(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loading a safetensors checkpoint onto a (1, 4) mesh reads shards, never a whole TP-sharded tensor."""
+    from safetensors.numpy import save_file
+
+    import runner.models.loader as loader
+
+    model = LlamaForCausalLM(CFG, rngs=nnx.Rngs(5))
+    _, params, _ = nnx.split(model, nnx.Param, ...)
+    flat = {".".join(map(str, k)): np.asarray(v.value) for k, v in nnx.to_flat_state(params)}
+    tensors = {}
+    for rule_target, arr in flat.items():
+        hf = next(name for name in _hf_names(CFG) if loader.map_hf_name(name)[0] == rule_target)
+        tensors[hf] = np.ascontiguousarray(arr.T if loader.map_hf_name(hf)[1] else arr)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(_hf_config_json(CFG))
+
+    reads: dict[str, list[int]] = {}
+    real = jax.make_array_from_callback
+
+    def recording(shape, sharding, callback):  # noqa: ANN001, ANN202
+        key = len(reads)
+        reads[key] = []
+
+        def cb(index):  # noqa: ANN001, ANN202
+            out = callback(index)
+            reads[key].append(out.size)
+            return out
+        arr = real(shape, sharding, cb)
+        reads[key] = (int(np.prod(shape)), reads[key], str(sharding.spec))
+        return arr
+
+    monkeypatch.setattr(loader.jax, "make_array_from_callback", recording)
+    loaded, _ = loader.load_model(str(tmp_path), mesh=make_mesh((1, 4)))
+    sharded = [(total, sizes) for total, sizes, spec in reads.values() if "model" in spec]
+    assert len(sharded) >= 7 * CFG.num_hidden_layers  # q/k/v/o and MLP kernels of every layer
+    for total, sizes in sharded:
+        assert max(sizes) == total // 4, (total, sizes)
+    got = {".".join(map(str, k)): np.asarray(v.value) for k, v in nnx.to_flat_state(nnx.split(loaded, nnx.Param, ...)[1])}
+    for name, arr in flat.items():
+        np.testing.assert_array_equal(got[name], arr, err_msg=name)
+
+
+def _hf_names(cfg: ModelConfig) -> list[str]:
+    names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        names += [p + f"self_attn.{n}_proj.{w}" for n in "qkvo" for w in ("weight", "bias")]
+        names += [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+    return names
+
+
+def _hf_config_json(cfg: ModelConfig) -> str:
+    import json
+
+    return json.dumps(dict(
+        architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_word_embeddings, max_position_embeddings=256))

@@ -1,8 +1,10 @@
 """Reading checkpoints (Hugging Face safetensors directories and GGUF files) into Hugging Face names.
 
 `read_checkpoint(path)` returns a `Checkpoint`: the Hugging Face `config.json` contents (or an
-equivalent dict built from GGUF metadata) and every weight as a float32 numpy array under its
-Hugging Face `state_dict` name, in PyTorch `[out, in]` layout (`model.layers.0.self_attn.q_proj.weight`).
+equivalent dict built from GGUF metadata) and every weight as a numpy array under its Hugging Face
+`state_dict` name, in PyTorch `[out, in]` layout (`model.layers.0.self_attn.q_proj.weight`). Safetensors
+weights are memory-mapped in the file's dtype (read only where sliced, so a sharded load reads each
+device's part only); GGUF weights are de-quantized to float32 on the host, one tensor at a time.
 
 GGUF facts this module relies on:
   * GGUF lists tensor dims innermost-first (`[in, out]`); `GGUFReader` reverses them, so the numpy
@@ -97,7 +99,8 @@ class Checkpoint:
     """A checkpoint in Hugging Face terms.
 
     hf_config: `config.json` contents (or the equivalent built from GGUF metadata).
-    tensors: Hugging Face `state_dict` name -> float32 numpy array in PyTorch `[out, in]` layout.
+    tensors: Hugging Face `state_dict` name -> numpy array in PyTorch `[out, in]` layout (memory-mapped
+        float32/float16/bfloat16 for safetensors, float32 for GGUF).
     dtype: the source's dominant storage type by element count ("bfloat16", "float32", "Q4_1", ...).
     tensor_dtypes: the source storage type of every tensor.
     source: "safetensors" or "gguf"; path: what was read.
@@ -242,45 +245,45 @@ _SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF
 
 
 def _read_safetensors(file: str) -> dict[str, tuple[np.ndarray, str]]:
-    """name -> (float32 array, source dtype name) for one safetensors file."""
-    from safetensors import safe_open
+    """name -> (memory-mapped array in the file's dtype, source dtype name) for one safetensors file.
 
-    out: dict[str, tuple[np.ndarray, str]] = {}
+    Nothing is read until a slice is taken, so a sharded load reads each device's part of a tensor
+    only (`runner.models.loader` converts to the model dtype slice by slice).
+    """
+    import ml_dtypes
+
     try:
-        with safe_open(file, framework="numpy") as f:
-            for name in f.keys():
-                st_dtype = f.get_slice(name).get_dtype()
-                if st_dtype not in _SAFETENSORS_DTYPES:
-                    raise ValueError(f"{file}: tensor {name!r} has dtype {st_dtype}; supported: "
-                                     f"{', '.join(_SAFETENSORS_DTYPES)}")
-                if st_dtype == "BF16":  # numpy has no bfloat16: safe_open cannot hand it out
-                    continue
-                out[name] = (np.asarray(f.get_tensor(name), dtype=np.float32), _SAFETENSORS_DTYPES[st_dtype])
-    except ValueError:
-        raise
-    except Exception as e:  # safetensors' SafetensorError (truncated/corrupt header), OSError, ...
-        raise ValueError(f"{file}: cannot read safetensors file (truncated or corrupt?): {e}") from None
-    header, data_start = _safetensors_header(file)
-    bf16 = [k for k, v in header.items() if k != "__metadata__" and v["dtype"] == "BF16"]
-    if bf16:
-        import ml_dtypes
-
+        header, data_start = _safetensors_header(file)
         raw = np.memmap(file, dtype=np.uint8, mode="r")
-        for name in bf16:
-            begin, end = header[name]["data_offsets"]
-            shape = tuple(header[name]["shape"])
-            buf = raw[data_start + begin:data_start + end]
-            if buf.size != 2 * math.prod(shape):
-                raise ValueError(f"{file}: tensor {name!r} is truncated")
-            out[name] = (buf.view(ml_dtypes.bfloat16).reshape(shape).astype(np.float32), "bfloat16")
-        del raw
+    except (OSError, ValueError, struct.error, UnicodeDecodeError) as e:
+        raise ValueError(f"{file}: cannot read safetensors file (truncated or corrupt?): {e}") from None
+    out: dict[str, tuple[np.ndarray, str]] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            st_dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{file}: cannot read safetensors file (truncated or corrupt?): bad entry {name!r}") from None
+        if st_dtype not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"{file}: tensor {name!r} has dtype {st_dtype}; supported: {', '.join(_SAFETENSORS_DTYPES)}")
+        np_dtype = np.dtype(ml_dtypes.bfloat16) if st_dtype == "BF16" else np.dtype(_SAFETENSORS_DTYPES[st_dtype])
+        if end - begin != np_dtype.itemsize * math.prod(shape) or data_start + end > raw.size:
+            raise ValueError(f"{file}: cannot read safetensors file (truncated or corrupt?): tensor {name!r} is "
+                             f"truncated")
+        out[name] = (raw[data_start + begin:data_start + end].view(np_dtype).reshape(shape), _SAFETENSORS_DTYPES[st_dtype])
     return out
 
 
 def _safetensors_header(file: str) -> tuple[dict[str, Any], int]:
     with open(file, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(n)), 8 + n
+        if n > os.path.getsize(file) - 8:
+            raise ValueError(f"header length {n} exceeds the file")
+        header = json.loads(f.read(n))
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    return header, 8 + n
 
 
 # ---------------------------------------------------------------------------------------------

@@ -88,14 +88,12 @@ def model_from_hf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray], *, m
         if target in values:
             problems.append(f"two checkpoint tensors map to {target!r}")
             continue
-        arr = np.asarray(array).T if transpose else np.asarray(array)
+        arr = array.T if transpose else array  # a view: memory-mapped sources stay unread
         want = flat[target].value
         if arr.shape != want.shape:
             problems.append(f"{name!r}: shape {arr.shape} (after layout change) != model's {want.shape} for {target!r}")
             continue
-        host = np.asarray(arr, dtype=want.dtype)
-        values[target] = (jnp.asarray(host) if mesh is None
-                          else jax.device_put(host, param_sharding(target, host.shape, mesh)))
+        values[target] = _to_device(arr, want.dtype, None if mesh is None else param_sharding(target, arr.shape, mesh))
     missing = sorted(set(flat) - set(values))
     problems += [f"model parameter {t!r} is not in the checkpoint" for t in missing]
     if problems:
@@ -106,6 +104,13 @@ def model_from_hf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray], *, m
     rest_state = jax.tree.map(lambda s: inv_freq, rest)
     model = nnx.merge(graphdef, params, rest_state)
     return model
+
+
+def _to_device(arr: np.ndarray, dtype: np.dtype, sharding: jax.sharding.Sharding | None) -> jax.Array:
+    """One host tensor -> device; with a sharding, each device's slice is read and converted on its own."""
+    if sharding is None:
+        return jnp.asarray(np.asarray(arr, dtype=dtype))
+    return jax.make_array_from_callback(arr.shape, sharding, lambda index: np.asarray(arr[index], dtype=dtype))
 
 
 def load_model(path: str | None = None, *, dtype: str = "float32", mesh: Mesh | None = None
