@@ -4,6 +4,11 @@ A block holds `block_size` consecutive tokens' K/V. A full block is identified b
 over its tokens and all tokens before it; once its K/V has been scheduled for computation it is
 registered, and any later sequence whose prefix hashes the same shares it (ref-counted) instead
 of recomputing. Freed blocks keep their hash until reused, so prefixes survive across calls.
+
+With data parallelism the blocks are split into `num_replicas` equal pools (replica r owns ids
+`[r * blocks_per_replica, (r + 1) * blocks_per_replica)`, the part of the KV cache on its devices);
+a sequence only ever holds blocks of its own replica (`seq.replica`), and prefixes are shared
+within a replica.
 """
 
 from __future__ import annotations
@@ -31,33 +36,55 @@ def chain_hash(prev: int | None, token_ids: tuple[int, ...]) -> int:
 class BlockManager:
     """Allocates KV blocks to sequences and shares identical full prefix blocks between them."""
 
-    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True) -> None:
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
+                 num_replicas: int = 1) -> None:
+        if num_blocks < 1 or block_size < 1 or num_replicas < 1:
+            raise ValueError(f"need num_blocks >= 1, block_size >= 1 and num_replicas >= 1, got {num_blocks}, "
+                             f"{block_size}, {num_replicas}")
+        if num_blocks % num_replicas:
+            raise ValueError(f"{num_blocks} blocks do not split evenly over {num_replicas} data replicas")
         self.block_size = block_size
+        self.num_replicas = num_replicas
+        self.blocks_per_replica = num_blocks // num_replicas
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_ids: collections.deque[int] = collections.deque(range(num_blocks))
-        self.hash_to_block: dict[int, int] = {}
+        self.free_pools: list[collections.deque[int]] = [
+            collections.deque(range(r * self.blocks_per_replica, (r + 1) * self.blocks_per_replica))
+            for r in range(num_replicas)]
+        self.hash_to_block: dict[tuple[int, int], int] = {}  # (replica, chained hash) -> block id
         self.enable_prefix_caching = enable_prefix_caching
         self.num_cache_hit_tokens = 0
         self.num_cache_queried_tokens = 0
 
     @property
+    def free_ids(self) -> list[int]:
+        """Every free block id, all replicas."""
+        return [b for pool in self.free_pools for b in pool]
+
+    @property
     def num_free_blocks(self) -> int:
-        return len(self.free_ids)
+        return sum(len(pool) for pool in self.free_pools)
+
+    def num_free(self, replica: int) -> int:
+        return len(self.free_pools[replica])
+
+    def replica_of(self, block_id: int) -> int:
+        return block_id // self.blocks_per_replica
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _take_free(self) -> Block:
-        block = self.blocks[self.free_ids.popleft()]
-        if block.hash is not None and self.hash_to_block.get(block.hash) == block.block_id:
-            del self.hash_to_block[block.hash]
+    def _take_free(self, replica: int) -> Block:
+        block = self.blocks[self.free_pools[replica].popleft()]
+        key = (replica, block.hash)
+        if block.hash is not None and self.hash_to_block.get(key) == block.block_id:
+            del self.hash_to_block[key]
         block.hash, block.token_ids, block.ref_count = None, (), 1
         return block
 
-    def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """Ids of registered blocks matching the sequence's leading full blocks (never its last token)."""
+    def _cached_prefix(self, seq: Sequence, replica: int | None = None) -> list[int]:
+        """Ids of registered blocks of `replica` (default: the sequence's) matching its leading full blocks
+        (never its last token)."""
+        replica = seq.replica if replica is None else replica
         if not self.enable_prefix_caching or seq.wants_prompt_logprobs:
             return []
         hits: list[int] = []
@@ -66,16 +93,21 @@ class BlockManager:
         for i in range((seq.num_tokens - 1) // self.block_size):
             ids = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
             prev = chain_hash(prev, ids)
-            block_id = self.hash_to_block.get(prev)
+            block_id = self.hash_to_block.get((replica, prev))
             if block_id is None or self.blocks[block_id].token_ids != ids:
                 break
             hits.append(block_id)
         return hits
 
-    def can_allocate(self, seq: Sequence) -> bool:
-        hits = self._cached_prefix(seq)
+    def num_cached_blocks(self, seq: Sequence, replica: int) -> int:
+        """How many of the sequence's leading blocks `replica` already holds (to place it)."""
+        return len(self._cached_prefix(seq, replica))
+
+    def can_allocate(self, seq: Sequence, replica: int | None = None) -> bool:
+        replica = seq.replica if replica is None else replica
+        hits = self._cached_prefix(seq, replica)
         revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
-        return self.blocks_needed(seq.num_tokens) - len(hits) + revived <= self.num_free_blocks
+        return self.blocks_needed(seq.num_tokens) - len(hits) + revived <= self.num_free(replica)
 
     def allocate(self, seq: Sequence) -> None:
         """Give a waiting sequence blocks for all its tokens, reusing cached prefix blocks."""
@@ -84,11 +116,11 @@ class BlockManager:
         for block_id in hits:
             block = self.blocks[block_id]
             if block.ref_count == 0:
-                self.free_ids.remove(block_id)
+                self.free_pools[seq.replica].remove(block_id)
             block.ref_count += 1
             seq.block_table.append(block_id)
         for _ in range(self.blocks_needed(seq.num_tokens) - len(hits)):
-            seq.block_table.append(self._take_free().block_id)
+            seq.block_table.append(self._take_free(seq.replica).block_id)
         seq.num_cached_tokens = len(hits) * self.block_size
         seq.num_computed_tokens = seq.num_cached_tokens
         self.num_cache_hit_tokens += seq.num_cached_tokens
@@ -100,19 +132,19 @@ class BlockManager:
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
-                self.free_ids.append(block_id)
+                self.free_pools[self.replica_of(block_id)].append(block_id)
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_cached_tokens = 0
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
         need = self.blocks_needed(seq.num_tokens + num_new_tokens) - len(seq.block_table)
-        return need <= self.num_free_blocks
+        return need <= self.num_free(seq.replica)
 
     def append(self, seq: Sequence, num_new_tokens: int) -> None:
         """Make room for `num_new_tokens` more tokens beyond the sequence's current ones."""
         while len(seq.block_table) < self.blocks_needed(seq.num_tokens + num_new_tokens):
-            seq.block_table.append(self._take_free().block_id)
+            seq.block_table.append(self._take_free(seq.replica).block_id)
 
     def register_computed(self, seq: Sequence, num_tokens: int) -> None:
         """Publish the full blocks among the first `num_tokens` tokens for prefix sharing."""
@@ -125,7 +157,7 @@ class BlockManager:
             block = self.blocks[seq.block_table[i]]
             if block.hash is None:
                 block.hash, block.token_ids = prev, ids
-                self.hash_to_block.setdefault(prev, block.block_id)
+                self.hash_to_block.setdefault((seq.replica, prev), block.block_id)
 
     def invalidate_prefix_cache(self) -> None:
         """Forget every cached prefix (after a weight update its K/V is stale)."""

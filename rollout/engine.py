@@ -47,6 +47,8 @@ class Engine:
         self.model_config = cfg
         self.eos_token_ids = tuple(dict.fromkeys([*cfg.eos_token_ids, *tokenizer.eos_token_ids]))
         block_size = config.block_size
+        device_mesh = make_mesh(mesh)
+        num_replicas = device_mesh.shape["data"]  # data parallel: each replica has its own KV blocks and budgets
         max_pages = -(-config.max_model_len // block_size)
         num_blocks = config.kv_cache_blocks
         if num_blocks is None and config.kv_cache_memory_bytes is None:
@@ -56,14 +58,16 @@ class Engine:
         if kv_spec.num_blocks < max_pages:
             raise ValueError(f"the KV cache ({kv_spec.num_blocks} blocks of {block_size}) cannot hold one sequence "
                              f"of max_model_len={config.max_model_len}; give at least {max_pages} blocks")
+        kv_spec = dataclasses.replace(kv_spec, num_blocks=kv_spec.num_blocks * num_replicas, num_replicas=num_replicas)
         buckets = BucketConfig(config.max_num_seqs, config.max_num_batched_tokens, max_pages)
-        self.runner = ModelRunner(model, kv_spec, buckets, max_logprobs=config.max_logprobs, mesh=make_mesh(mesh))
-        self.block_manager = BlockManager(kv_spec.num_blocks, block_size,
+        self.runner = ModelRunner(model, kv_spec, buckets, max_logprobs=config.max_logprobs, mesh=device_mesh)
+        self.block_manager = BlockManager(kv_spec.num_blocks, block_size, num_replicas=num_replicas,
                                           enable_prefix_caching=config.enable_prefix_caching)
         spec = config.speculative
         self.speculator = Speculator(spec, config.max_model_len, config.max_num_batched_tokens) if spec is not None else None
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   config.max_model_len, decode_steps=1 + (spec.k if spec else 0)),
+                                                   config.max_model_len, decode_steps=1 + (spec.k if spec else 0),
+                                                   num_replicas=num_replicas),
                                    self.block_manager)
         self.outputs = OutputProcessor(self.scheduler, tokenizer, self.eos_token_ids, config.max_model_len)
         self.rng = np.random.default_rng(config.seed)

@@ -12,7 +12,11 @@ from runner.spec_decode.ngram import NgramConfig
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Budgets and cache sizes (vLLM names). KV size: `kv_cache_blocks`, or a byte budget, or
-    by default enough blocks for `max_num_seqs` sequences of `max_model_len` tokens."""
+    by default enough blocks for `max_num_seqs` sequences of `max_model_len` tokens.
+
+    On a mesh with a `data` axis of size D, every budget and cache size here is per data replica
+    (like one vLLM engine per data-parallel rank): D * max_num_seqs sequences run at once.
+    """
 
     max_num_seqs: int = 64
     max_model_len: int = 1024

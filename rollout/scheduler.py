@@ -5,6 +5,11 @@ prompts, chunks of long prompts, recomputation after preemption) or a decode ste
 sequence computes its last token and samples the next). Prefill work goes first. When KV blocks
 run out, the most recently admitted running sequence is preempted: its blocks are freed and it is
 recomputed later. No request fails for lack of memory alone.
+
+Data parallelism: with `num_replicas > 1` each replica has its own KV blocks and its own budgets
+(`max_num_seqs`, `max_num_batched_tokens` per replica, like one vLLM engine per data-parallel
+rank). A new sequence goes to the replica that already caches most of its prefix, then to the least
+loaded one; it stays there (its blocks are there) until it finishes or is preempted.
 """
 
 from __future__ import annotations
@@ -24,9 +29,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     decode_steps: int = 1  # tokens a decode step may produce per sequence (multi-step / speculation)
+    num_replicas: int = 1  # data-parallel replicas; the two budgets above apply to each
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "decode_steps"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "decode_steps", "num_replicas"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -74,39 +80,50 @@ class Scheduler:
         return self._schedule_decode()
 
     def _schedule_prefill(self) -> ScheduledBatch:
-        budget = self.config.max_num_batched_tokens
+        budgets = [self.config.max_num_batched_tokens] * self.config.num_replicas
         seqs: list[Sequence] = []
         counts: list[int] = []
         for seq in self.running:  # unfinished chunked prefills first
-            if budget > 0 and seq.is_prefilling:
-                take = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if budgets[seq.replica] > 0 and seq.is_prefilling:
+                take = min(seq.num_tokens - seq.num_computed_tokens, budgets[seq.replica])
                 seqs.append(seq)
                 counts.append(take)
-                budget -= take
+                budgets[seq.replica] -= take
                 self.block_manager.register_computed(seq, seq.num_computed_tokens + take)
         skipped: list[Sequence] = []
         prompt_in_step: set[int] = set()
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and any(b > 0 for b in budgets):
             seq = self.waiting.popleft()
             if not self._admissible(seq, prompt_in_step):
                 skipped.append(seq)
                 continue
-            if not self.block_manager.can_allocate(seq):
+            replica = self._place(seq, budgets)
+            if replica is None:
                 self.waiting.appendleft(seq)
                 break
+            seq.replica = replica
             self.block_manager.allocate(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            take = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            take = min(seq.num_tokens - seq.num_computed_tokens, budgets[replica])
             seqs.append(seq)
             counts.append(take)
-            budget -= take
+            budgets[replica] -= take
             # Published at once, so later prompts of this same step can share these blocks.
             self.block_manager.register_computed(seq, seq.num_computed_tokens + take)
             if seq.num_computed_tokens + take >= seq.num_prompt_tokens:
                 prompt_in_step.add(seq.request_id)
         self.waiting.extendleft(reversed(skipped))
         return ScheduledBatch(True, seqs, counts)
+
+    def _place(self, seq: Sequence, budgets: list[int]) -> int | None:
+        """The replica a waiting sequence joins: most cached prefix blocks, then fewest running; None = none fits."""
+        running = collections.Counter(s.replica for s in self.running)
+        fits = [r for r in range(self.config.num_replicas)
+                if budgets[r] > 0 and running[r] < self.config.max_num_seqs and self.block_manager.can_allocate(seq, r)]
+        if not fits:
+            return None
+        return max(fits, key=lambda r: (self.block_manager.num_cached_blocks(seq, r), -running[r], -r))
 
     def _schedule_decode(self) -> ScheduledBatch:
         """Every running sequence computes its last token; room is made for `decode_steps` tokens."""
@@ -116,8 +133,9 @@ class Scheduler:
                 continue
             extra = min(self.config.decode_steps - 1, self.config.max_model_len - seq.num_tokens)
             while not self.block_manager.can_append(seq, extra):
-                victim = max(self.running, key=lambda s: s.arrival)
-                if victim is seq and len(self.running) == 1:
+                same_replica = [s for s in self.running if s.replica == seq.replica]
+                victim = max(same_replica, key=lambda s: s.arrival)
+                if victim is seq and len(same_replica) == 1:
                     raise RuntimeError(
                         "the KV cache cannot hold even one sequence of max_model_len tokens; "
                         "raise kv_cache_blocks or lower max_model_len")

@@ -29,6 +29,7 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose K/V is in the cache
         self.num_cached_tokens = 0  # of those, tokens taken from the prefix cache at the last allocation
         self.block_table: list[int] = []
+        self.replica = 0  # data-parallel replica whose KV blocks it holds (set on admission)
         self.status = SequenceStatus.WAITING
         self.output_logprobs: list[float] = []
         self.output_top: list[tuple[list[int], list[float]]] = []

@@ -51,7 +51,7 @@ def build_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...],
         processed=np.array([p.logprobs_mode == "processed" for p in params], bool),
         suppress_ids=suppress,
         num_top_logprobs=max((max(p.logprobs or 0, p.prompt_logprobs or 0) for p in params), default=0),
-        target_ids=target_ids)
+        target_ids=target_ids, replicas=np.array([s.replica for s in seqs], np.int32))
 
 
 def build_verify_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...], drafts: list[np.ndarray]) -> StepBatch:
@@ -82,4 +82,4 @@ def build_verify_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...], dra
         processed=np.array([p.logprobs_mode == "processed" for p in params], bool),
         suppress_ids=suppress,
         num_top_logprobs=max((s.params.logprobs or 0 for s in seqs), default=0),
-        logits_indices=np.arange(len(token_ids), dtype=np.int32))
+        logits_indices=np.arange(len(token_ids), dtype=np.int32), replicas=np.array([s.replica for s in seqs], np.int32))

@@ -1,4 +1,9 @@
-"""The paged KV cache: one `[pages, page_size, 2 * kv_heads, head_dim]` array per layer (K, V interleaved)."""
+"""The paged KV cache: one `[replicas, pages, page_size, 2 * kv_heads, head_dim]` array per layer.
+
+K and V are interleaved on the head axis. Each data-parallel replica owns one slice of the leading
+axis (its own blocks, on its own devices); a replica's slice has the layout of JAX's Pallas
+ragged paged-attention kernel.
+"""
 
 from __future__ import annotations
 
@@ -21,10 +26,22 @@ class KVCacheSpec:
     num_kv_heads: int
     head_dim: int
     dtype: str = "float32"
+    num_replicas: int = 1  # data-parallel replicas; num_blocks counts all of them
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_size < 1:
             raise ValueError(f"KV cache needs num_blocks >= 1 and block_size >= 1, got {self.num_blocks}, {self.block_size}")
+        if self.num_replicas < 1 or self.num_blocks % self.num_replicas:
+            raise ValueError(f"{self.num_blocks} KV blocks do not split over {self.num_replicas} replicas")
+
+    @property
+    def blocks_per_replica(self) -> int:
+        return self.num_blocks // self.num_replicas
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        """One layer's cache: `[replicas, blocks_per_replica, block_size, 2 * kv_heads, head_dim]`."""
+        return (self.num_replicas, self.blocks_per_replica, self.block_size, 2 * self.num_kv_heads, self.head_dim)
 
     @property
     def bytes_per_block(self) -> int:
@@ -46,6 +63,5 @@ class KVCacheSpec:
 
 def allocate_kv_caches(spec: KVCacheSpec, sharding: jax.sharding.Sharding | None = None) -> KVCaches:
     """Zeroed caches, one array per layer (created directly in `sharding` when given)."""
-    shape = (spec.num_blocks, spec.block_size, 2 * spec.num_kv_heads, spec.head_dim)
-    make = jax.jit(lambda: jnp.zeros(shape, spec.dtype), out_shardings=sharding)
+    make = jax.jit(lambda: jnp.zeros(spec.shape, spec.dtype), out_shardings=sharding)
     return tuple(make() for _ in range(spec.num_layers))

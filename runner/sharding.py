@@ -1,7 +1,9 @@
 """Mesh and sharding rules as data: parameter path -> logical axes -> mesh axes.
 
 Tensor parallelism shards attention heads, MLP columns/rows and the vocabulary over the `model`
-axis; the KV cache is sharded by KV head when the head count divides, replicated otherwise. A
+axis; the KV cache is sharded by KV head when the head count divides, replicated otherwise. Data
+parallelism splits the KV cache's replica axis and every step input's leading (replica) axis over
+`data`: each replica computes its own sequences over its own KV blocks. A
 dimension whose size the mesh axis does not divide is replicated rather than split unevenly.
 The jitted step is partitioned by XLA (GSPMD) from these input shardings.
 """
@@ -26,8 +28,9 @@ PARAM_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"layers\.\d+\.mlp\.down_proj\.kernel", ("mlp", None)),
     (r".*", ()),  # norms, biases of row-parallel layers, buffers: replicated
 )
-KV_CACHE_AXES: tuple[str | None, ...] = (None, None, "kv_heads", None)  # [pages, page, 2*Hkv, D]
-LOGICAL_TO_MESH: dict[str, str] = {"vocab": "model", "heads": "model", "mlp": "model", "kv_heads": "model"}
+KV_CACHE_AXES: tuple[str | None, ...] = ("replica", None, None, "kv_heads", None)  # [R, pages, page, 2*Hkv, D]
+LOGICAL_TO_MESH: dict[str, str] = {"vocab": "model", "heads": "model", "mlp": "model", "kv_heads": "model",
+                                   "replica": "data"}
 
 
 def make_mesh(shape: tuple[int, int] | Mesh | None) -> Mesh:

@@ -54,6 +54,24 @@ def test_tensor_parallel_memory_is_a_quarter(setup: tuple) -> None:
     assert kv_one == kv.nbytes // 4  # 4 KV heads over 4 devices
 
 
+def test_data_parallel_replicas_own_their_kv_blocks(setup: tuple) -> None:
+    """(4, 1): each device holds a quarter of the KV cache (its replica's blocks), and a KV
+    cache small enough to force preemption inside replicas still gives the single-device outputs."""
+    model, prompts, ref = setup
+    engine = Engine.from_model(model, IdTokenizer(), mesh=(4, 1), **{**KW, "kv_cache_blocks": 12})
+    kv = engine.runner.kv_caches[0]
+    assert kv.shape[0] == 4 and kv.shape[1] == 12
+    device = engine.runner.mesh.devices.flat[0]
+    assert sum(s.data.nbytes for s in kv.addressable_shards if s.device == device) == kv.nbytes // 4
+    many = prompts * 3
+    outs = engine.generate(many, SamplingParams(temperature=0, max_tokens=12, logprobs=0))
+    assert engine.stats().num_preemptions > 0
+    for a, b in zip(outs, ref * 3):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        np.testing.assert_allclose([t.logprob for t in a.outputs[0].logprobs],
+                                   [t.logprob for t in b.outputs[0].logprobs], atol=1e-5)
+
+
 def test_bad_mesh_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="needs 64 devices"):
         make_mesh((8, 8))

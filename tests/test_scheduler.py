@@ -392,3 +392,66 @@ def test_n_samples_wait_while_sample_zero_prompt_is_chunked() -> None:
     bm = sched.block_manager
     sched.forget_request(78)
     assert bm.num_free_blocks == 32
+
+
+def make_dp_scheduler(num_replicas: int, blocks_per_replica: int, *, max_num_seqs: int = 4, budget: int = 64
+                      ) -> Scheduler:
+    bm = BlockManager(num_replicas * blocks_per_replica, 4, num_replicas=num_replicas)
+    return Scheduler(SchedulerConfig(max_num_seqs, budget, 128, num_replicas=num_replicas), bm)
+
+
+def test_data_parallel_replicas_hold_only_their_own_blocks() -> None:
+    sched = make_dp_scheduler(2, 16)
+    bm = sched.block_manager
+    seqs = [make_seq(list(range(100 + 10 * i, 106 + 10 * i)), max_tokens=6) for i in range(6)]
+    for s in seqs:
+        sched.add(s)
+    first = sched.schedule()
+    assert sorted(s.replica for s in first.seqs) == [0, 0, 0, 1, 1, 1]  # least loaded replica first
+    live = list(first.seqs)
+    simulate(sched, first)
+    while sched.has_unfinished():
+        for s in live:
+            assert all(bm.replica_of(b) == s.replica for b in s.block_table), (s.replica, s.block_table)
+        check_block_invariants(bm, [s for s in live if s.status == SequenceStatus.RUNNING])
+        simulate(sched, sched.schedule())
+    assert bm.num_free_blocks == 32
+
+
+def test_data_parallel_budgets_are_per_replica() -> None:
+    sched = make_dp_scheduler(2, 32, max_num_seqs=2, budget=8)
+    for i in range(5):
+        sched.add(make_seq(list(range(10 * i, 10 * i + 8))))
+    batch = sched.schedule()
+    per_replica = {r: sum(n for s, n in zip(batch.seqs, batch.num_new_tokens) if s.replica == r) for r in (0, 1)}
+    assert per_replica == {0: 8, 1: 8}  # each replica's token budget, not one shared budget
+    while sched.has_unfinished():
+        batch = sched.schedule()
+        for r in (0, 1):
+            assert sum(1 for s in sched.running if s.replica == r) <= 2
+        simulate(sched, batch)
+
+
+def test_data_parallel_siblings_go_where_the_prompt_is_cached() -> None:
+    sched = make_dp_scheduler(2, 32, max_num_seqs=8)
+    prompt = list(range(40, 53))  # 3 full blocks + 1 token
+    sched.add(make_seq([1, 2, 3, 4, 5]))  # keeps replica 0 busier
+    samples = [make_seq(prompt, request_id=999, sample_index=i, max_tokens=3) for i in range(4)]
+    for s in samples:
+        sched.add(s)
+    simulate(sched, sched.schedule())  # sample 0's prompt goes to the emptier replica 1
+    assert samples[0].replica == 1
+    batch = sched.schedule()
+    siblings = [s for s in batch.seqs if s in samples[1:]]
+    assert len(siblings) == 3 and all(s.replica == 1 and s.num_cached_tokens == 12 for s in siblings)
+
+
+def test_data_parallel_preemption_stays_within_the_replica() -> None:
+    sched = make_dp_scheduler(2, 6, max_num_seqs=4, budget=64)  # 6 blocks of 4 per replica
+    seqs = [make_seq(list(range(10 * i, 10 * i + 7)), max_tokens=12) for i in range(4)]
+    for s in seqs:
+        sched.add(s)
+    finished = run_to_completion(sched)
+    assert finished  # everything completes
+    assert sched.num_preemptions > 0
+    assert all(s.is_finished and s.num_output_tokens == 12 for s in seqs)

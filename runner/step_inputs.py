@@ -1,0 +1,210 @@
+"""Step inputs: the host-side `StepBatch`, its split over data-parallel replicas, and padding to a bucket.
+
+`StepBatch` holds one step as exact-size numpy arrays in the engine's order. With data parallelism
+each replica computes its own sequences against its own KV blocks: `split_replicas` cuts the batch
+into per-replica parts (block ids made replica-local), `pad_replicas` pads every part to the same
+bucket shape and stacks them on a leading replica axis (`[R, ...]`, split over the mesh's `data`
+axis), and `ReplicaLayout` maps the padded outputs back to the engine's order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+from jaxtyping import Array, Int
+
+from runner.attention import AttentionMetadata
+from runner.buckets import BucketConfig, pick
+from runner.sampler import SamplingInputs
+
+SAMPLER_MODES = ("greedy", "random", "filtered")
+MAX_SUPPRESS = 8  # ids a request may forbid per step (EOS + stop ids before min_tokens)
+VERIFY_Q_LEN = 8  # attention rows of a speculative verification step hold up to this many tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+    """One step as exact-size host arrays (S sequences, T tokens); built by the engine."""
+
+    token_ids: np.ndarray  # [T] tokens whose K/V this step computes, packed by sequence
+    positions: np.ndarray  # [T]
+    q_lens: np.ndarray  # [S] tokens of each sequence in this step
+    kv_lens: np.ndarray  # [S] context length of each sequence after this step
+    block_tables: list[list[int]]  # [S][blocks] KV blocks of each sequence (global ids)
+    temperature: np.ndarray  # [S]
+    top_k: np.ndarray  # [S]
+    top_p: np.ndarray  # [S]
+    min_p: np.ndarray  # [S]
+    seeds: np.ndarray  # [S]
+    sample_index: np.ndarray  # [S]
+    processed: np.ndarray  # [S] bool: logprobs of the processed distribution
+    suppress_ids: np.ndarray  # [S, MAX_SUPPRESS] ids forbidden this step, -1 = none
+    num_top_logprobs: int = 0
+    target_ids: np.ndarray | None = None  # [T] next token of each position: asks for per-token logprobs
+    # [N] packed tokens whose logits are sampled (speculative verification samples after every token);
+    # None = the last token of each sequence. The sampling arrays above then have N rows, not S.
+    logits_indices: np.ndarray | None = None
+    replicas: np.ndarray | None = None  # [S] data-parallel replica of each sequence; None = all on 0
+
+    @property
+    def is_decode(self) -> bool:
+        return bool(np.all(self.q_lens == 1)) and self.target_ids is None and self.logits_indices is None
+
+    @property
+    def num_rows(self) -> int:
+        """Sampled rows: one per sequence, or one per entry of `logits_indices`."""
+        return len(self.temperature)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DeviceBatch:
+    """A padded `StepBatch` on the device; every array has a leading replica axis R."""
+
+    token_ids: Int[Array, "R T"]
+    positions: Int[Array, "R T"]
+    md: AttentionMetadata  # each field [R, ...]
+    logits_indices: Int[Array, "R N"]  # packed index of the token each sampled row samples after
+    sampling: SamplingInputs  # each field [R, N, ...]
+    mode: Int[Array, ""]  # index into SAMPLER_MODES (one per step)
+    target_ids: Int[Array, "R T"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaLayout:
+    """Where each sampled row and token of a `StepBatch` sits in the padded, flattened `[R * N]` outputs."""
+
+    row_index: np.ndarray  # [num_rows] flat output row of each sampled row
+    token_index: np.ndarray  # [T] flat output position of each token
+
+
+def sampler_mode(b: StepBatch) -> int:
+    if np.all(b.temperature == 0) and not np.any(b.processed):
+        return SAMPLER_MODES.index("greedy")
+    filtering = np.any((b.top_k > 0) | (b.top_p < 1.0) | (b.min_p > 0.0))
+    return SAMPLER_MODES.index("filtered" if filtering else "random")
+
+
+def split_replicas(b: StepBatch, num_replicas: int, blocks_per_replica: int
+                   ) -> list[tuple[StepBatch, np.ndarray, np.ndarray]]:
+    """Per replica: (its part with replica-local block ids, its rows' indices in `b`, its tokens' indices)."""
+    replicas = b.replicas if b.replicas is not None else np.zeros(len(b.q_lens), np.int64)
+    token_seq = np.repeat(np.arange(len(b.q_lens)), b.q_lens)
+    parts = []
+    for r in range(num_replicas):
+        seq_mask = replicas == r
+        tok_mask = seq_mask[token_seq]
+        local_token = np.cumsum(tok_mask) - 1
+        rows = np.flatnonzero(seq_mask if b.logits_indices is None else tok_mask[b.logits_indices])
+        row = lambda x: x[rows]  # noqa: E731
+        offset = r * blocks_per_replica
+        part = dataclasses.replace(
+            b, token_ids=b.token_ids[tok_mask], positions=b.positions[tok_mask], q_lens=b.q_lens[seq_mask],
+            kv_lens=b.kv_lens[seq_mask],
+            block_tables=[[blk - offset for blk in t] for t, m in zip(b.block_tables, seq_mask) if m],
+            temperature=row(b.temperature), top_k=row(b.top_k), top_p=row(b.top_p), min_p=row(b.min_p),
+            seeds=row(b.seeds), sample_index=row(b.sample_index), processed=row(b.processed),
+            suppress_ids=row(b.suppress_ids),
+            target_ids=None if b.target_ids is None else b.target_ids[tok_mask],
+            logits_indices=None if b.logits_indices is None else local_token[b.logits_indices[rows]].astype(np.int32),
+            replicas=None)
+        parts.append((part, rows, np.flatnonzero(tok_mask)))
+    return parts
+
+
+def pad_replicas(b: StepBatch, buckets: BucketConfig, block_size: int, num_replicas: int, blocks_per_replica: int
+                 ) -> tuple[DeviceBatch, ReplicaLayout]:
+    """Split `b` over replicas, pad every part to one bucket shape and stack them (pure numpy)."""
+    parts = split_replicas(b, num_replicas, blocks_per_replica)
+    most_seqs = max(1, max(len(p.q_lens) for p, _, _ in parts))
+    most_tokens = max(1, max(len(p.token_ids) for p, _, _ in parts))
+    if b.is_decode:
+        padded_tokens = rows = pick(buckets.seq_buckets, most_seqs)
+        piece_len, num_pieces = 1, rows
+    elif b.logits_indices is not None:  # speculative verification: a row per token
+        padded_tokens = rows = pick(buckets.verify_buckets, most_tokens)
+        piece_len = VERIFY_Q_LEN  # k <= 7 drafts + the last token
+        num_pieces = buckets.prefill_rows(padded_tokens)  # one attention row per sequence (>= 1 token each)
+    else:
+        padded_tokens = pick(buckets.token_buckets, most_tokens)
+        rows = buckets.prefill_rows(padded_tokens)
+        piece_len, num_pieces = buckets.query_block, buckets.prefill_pieces(padded_tokens)
+    pages = pick(buckets.page_buckets, max(-(-int(k) // block_size) for k in b.kv_lens))
+    shape = _Shape(padded_tokens, rows, piece_len, num_pieces, pages, block_size, blocks_per_replica)
+    padded = [_pad_one(p, shape) for p, _, _ in parts]
+    stacked = jax.tree.map(lambda *xs: np.stack(xs), *padded)
+    device_batch = dataclasses.replace(stacked, mode=np.int32(sampler_mode(b)))
+    row_index = np.zeros(b.num_rows, np.int64)
+    token_index = np.zeros(len(b.token_ids), np.int64)
+    for r, (_, part_rows, part_tokens) in enumerate(parts):
+        row_index[part_rows] = r * rows + np.arange(len(part_rows))
+        token_index[part_tokens] = r * padded_tokens + np.arange(len(part_tokens))
+    return device_batch, ReplicaLayout(row_index, token_index)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    padded_tokens: int
+    rows: int
+    piece_len: int
+    num_pieces: int
+    pages: int
+    block_size: int
+    num_blocks: int  # per replica: slots past num_blocks * block_size are dropped
+
+
+def _pad_one(b: StepBatch, s: _Shape) -> DeviceBatch:
+    """One replica's part padded to the bucket shape `s`, with its attention metadata."""
+    page = s.block_size
+    num_seqs, num_tokens = len(b.q_lens), len(b.token_ids)
+    table = np.zeros((num_seqs, s.pages), np.int32)
+    for i, blocks in enumerate(b.block_tables):
+        n = min(len(blocks), s.pages)
+        table[i, :n] = blocks[:n]
+
+    seq_of_token = np.repeat(np.arange(num_seqs), b.q_lens)
+    pos = b.positions.astype(np.int64)
+    slots = table[seq_of_token, pos // page].astype(np.int64) * page + pos % page
+    slot_mapping = np.full(s.padded_tokens, s.num_blocks * page, np.int32)
+    slot_mapping[:num_tokens] = slots
+
+    # Split each sequence's queries into pieces of <= piece_len tokens (each a row of attention).
+    pieces = -(-b.q_lens // s.piece_len)
+    piece_seq = np.repeat(np.arange(num_seqs), pieces)
+    piece_first = np.concatenate([[0], np.cumsum(pieces)[:-1]]).astype(np.int64)
+    piece_rank = np.arange(len(piece_seq)) - piece_first[piece_seq]
+    seq_start = np.concatenate([[0], np.cumsum(b.q_lens)[:-1]]).astype(np.int64)
+    piece_start = seq_start[piece_seq] + piece_rank * s.piece_len
+    piece_end = np.minimum(piece_start + s.piece_len, (seq_start + b.q_lens)[piece_seq])
+    kv_start = (b.kv_lens - b.q_lens)[piece_seq]
+    cu_q_lens = np.full(s.num_pieces + 1, num_tokens, np.int32)
+    cu_q_lens[0] = 0
+    cu_q_lens[1:len(piece_seq) + 1] = piece_end
+    kv_lens = np.zeros(s.num_pieces, np.int32)
+    kv_lens[:len(piece_seq)] = kv_start + (piece_end - seq_start[piece_seq])
+    page_indices = np.zeros((s.num_pieces, s.pages), np.int32)
+    page_indices[:len(piece_seq)] = table[piece_seq]
+
+    def pad(x: np.ndarray, n: int, fill: float | int = 0, dtype: type = np.int32) -> np.ndarray:
+        out = np.full((n, *x.shape[1:]), fill, dtype)
+        out[:len(x)] = x
+        return out
+
+    logits_indices = np.cumsum(b.q_lens) - 1 if b.logits_indices is None else b.logits_indices
+    sample_positions = b.positions[logits_indices] + 1
+    rows = s.rows
+    sampling = SamplingInputs(
+        temperature=pad(b.temperature, rows, 0.0, np.float32), top_k=pad(b.top_k, rows),
+        top_p=pad(b.top_p, rows, 1.0, np.float32), min_p=pad(b.min_p, rows, 0.0, np.float32),
+        seeds=pad(b.seeds, rows, 0, np.uint32), sample_index=pad(b.sample_index, rows),
+        positions=pad(sample_positions, rows), processed=pad(b.processed, rows, False, np.bool_),
+        suppress_ids=pad(b.suppress_ids, rows, -1))
+    return DeviceBatch(
+        token_ids=pad(b.token_ids, s.padded_tokens), positions=pad(b.positions, s.padded_tokens),
+        md=AttentionMetadata(slot_mapping=slot_mapping, kv_lens=kv_lens, page_indices=page_indices,
+                             cu_q_lens=cu_q_lens, num_seqs=np.array([len(piece_seq)], np.int32),
+                             max_q_len=s.piece_len),
+        logits_indices=pad(logits_indices, rows), sampling=sampling, mode=np.int32(0),
+        target_ids=pad(b.target_ids if b.target_ids is not None else np.zeros(0, np.int32), s.padded_tokens))
