@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_common
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "--mesh" in sys.argv:  # fake CPU devices must exist before JAX starts
     _sizes = sys.argv[sys.argv.index("--mesh") + 1] if sys.argv.index("--mesh") + 1 < len(sys.argv) else "1,2,4"
-    _n = max(int(x) for x in _sizes.split(","))
+    _n = max(int(x.split("x")[0]) * int(x.split("x")[1]) if "x" in x else int(x) for x in _sizes.split(","))
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={_n}").strip()
 
 import argparse  # noqa: E402
@@ -255,8 +255,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--no-r2-nocache", action="store_true", help="skip R2's 'distinct, no prefix cache' reference row")
     ap.add_argument("--json-out", default=None, help="also write the final JSON line to this file")
     ap.add_argument("--mesh", default=None, metavar="SIZES",
-                    help="instead: R1 greedy at the largest --batch-sizes on tensor-parallel meshes (1, d) for d in "
-                         "SIZES (e.g. 1,2,4; fake CPU devices here, real chips elsewhere) and the slowdown vs d=1")
+                    help="instead: R1 greedy at the largest --batch-sizes on meshes: 'd' = tensor parallel (1, d), "
+                         "'DxM' = (data D, model M); e.g. 1,2,4 or 1x1,1x2,2x1 (fake CPU devices here, real chips "
+                         "elsewhere) and the slowdown vs the first")
     args = ap.parse_args()
     q = args.quick
     args.repeats = args.repeats if args.repeats is not None else (1 if q else 3)
@@ -270,7 +271,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def run_mesh(args: argparse.Namespace) -> None:
-    """R1 greedy at one batch size on (1, d) meshes: sharding overhead (CPU) or scaling (accelerators)."""
+    """R1 greedy at one batch size on several (data, model) meshes: sharding overhead (CPU) or scaling."""
     import jax
 
     from rollout import Engine, SamplingParams
@@ -281,23 +282,26 @@ def run_mesh(args: argparse.Namespace) -> None:
     prompts = [tok.encode(r1_prompt(i)) for i in range(batch)]
     sp = SamplingParams(temperature=0, max_tokens=args.r1_tokens, min_tokens=args.r1_tokens)
     rows, results = [], {}
-    for d in [int(x) for x in args.mesh.split(",")]:
-        engine = Engine.from_pretrained(None, mesh=(1, d), max_num_seqs=64, max_model_len=256,
-                                        max_num_batched_tokens=args.max_num_batched_tokens)
+    meshes = [tuple(int(v) for v in x.split("x")) if "x" in x else (1, int(x)) for x in args.mesh.split(",")]
+    for d in meshes:
+        # Budgets are per data replica: split B's sequences and the token budget between replicas.
+        engine = Engine.from_pretrained(None, mesh=d, max_num_seqs=max(1, 64 // d[0]), max_model_len=256,
+                                        max_num_batched_tokens=max(32, args.max_num_batched_tokens // d[0]))
         med, _, outs, _ = bc.timed_median(lambda: engine.generate(prompts, sp), args.repeats, warmup=True)
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         results[d] = dict(tok_s=tokens / med, token_ids=[o.outputs[0].token_ids for o in outs])
         del engine
         gc.collect()
-    base = results[min(results)]
+    base = results[meshes[0]]
     for d, r in results.items():
         r["slowdown"] = base["tok_s"] / r["tok_s"]
         same = sum(a == b for a, b in zip(r["token_ids"], base["token_ids"])) / len(prompts)
-        rows.append([f"(1, {d})", batch, f"{r['tok_s']:.1f}", f"{r['slowdown']:.2f}x", f"{same:.2f}"])
+        rows.append([str(d), batch, f"{r['tok_s']:.1f}", f"{r['slowdown']:.2f}x", f"{same:.2f}"])
     bc.print_table(["mesh (data, model)", "B", "tok/s", "slowdown vs first", "greedy identical"], rows)
     print(f"devices: {jax.device_count()} x {jax.devices()[0].platform}")
     print(bc.json_line(dict(bench="rollout-mesh", batch=batch, new_tokens=args.r1_tokens, repeats=args.repeats,
-                            runs={d: dict(tok_s=r["tok_s"], slowdown=r["slowdown"]) for d, r in results.items()}),
+                            runs={f"{d[0]}x{d[1]}": dict(tok_s=r["tok_s"], slowdown=r["slowdown"])
+                                  for d, r in results.items()}),
                        args.json_out))
 
 
