@@ -24,10 +24,11 @@ from runner.attention import AttentionMetadata
 from runner.buckets import BucketConfig
 from runner.kv_cache import KVCacheSpec, allocate_kv_caches
 from runner.models.llama import KVCaches, LlamaForCausalLM
-from runner.sampler import SamplerOutput, SamplingInputs, sample
+from runner.sampler import SamplerOutput, sample
 from runner.sharding import kv_cache_sharding, make_mesh, shard_params
 from runner.step_inputs import (  # noqa: F401  (StepBatch, MAX_SUPPRESS: re-exported for the engine)
-    MAX_SUPPRESS, SAMPLER_MODES, VERIFY_Q_LEN, DeviceBatch, StepBatch, pad_replicas)
+    MAX_SUPPRESS, SAMPLER_MODES, DeviceBatch, StepBatch, pad_replicas)
+
 
 @dataclasses.dataclass(frozen=True)
 class StepResult:
@@ -106,9 +107,9 @@ class ModelRunner:
                                    NamedSharding(self.mesh, PartitionSpec()))
         self.kv_spec = kv_spec
         self.kv_caches = allocate_kv_caches(kv_spec, kv_cache_sharding(kv_spec.shape, self.mesh))
-        replicated = NamedSharding(self.mesh, PartitionSpec())
-        self._input_sharding = replicated if kv_spec.num_replicas == 1 else NamedSharding(self.mesh, PartitionSpec("data"))
-        self._scalar_sharding = replicated
+        self._scalar_sharding = NamedSharding(self.mesh, PartitionSpec())
+        self._input_sharding = (self._scalar_sharding if kv_spec.num_replicas == 1
+                                else NamedSharding(self.mesh, PartitionSpec("data")))
         self.buckets = buckets
         self.max_logprobs = max_logprobs
         self.config = model.config

@@ -90,6 +90,8 @@ def sampler_mode(b: StepBatch) -> int:
 def split_replicas(b: StepBatch, num_replicas: int, blocks_per_replica: int
                    ) -> list[tuple[StepBatch, np.ndarray, np.ndarray]]:
     """Per replica: (its part with replica-local block ids, its rows' indices in `b`, its tokens' indices)."""
+    if num_replicas == 1:  # the common case: the batch as it is, no copies
+        return [(b, np.arange(b.num_rows), np.arange(len(b.token_ids)))]
     replicas = b.replicas if b.replicas is not None else np.zeros(len(b.q_lens), np.int64)
     token_seq = np.repeat(np.arange(len(b.q_lens)), b.q_lens)
     parts = []
