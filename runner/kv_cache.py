@@ -1,8 +1,8 @@
-"""The paged KV cache: one `[replicas, pages, page_size, 2 * kv_heads, head_dim]` array per layer.
+"""The paged KV cache: one `[replicas, 2, kv_heads, pages, page_size, head_dim]` array per layer.
 
-K and V are interleaved on the head axis. Each data-parallel replica owns one slice of the leading
-axis (its own blocks, on its own devices); a replica's slice has the layout of JAX's Pallas
-ragged paged-attention kernel.
+Index 0 of the second axis is K, 1 is V. Each data-parallel replica owns one slice of the leading
+axis (its own blocks, on its own devices); a replica's K (or V) slice has the
+`[kv_heads, pages, page_size, head_dim]` layout of JAX's Pallas paged-attention kernels.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ class KVCacheSpec:
         return self.num_blocks // self.num_replicas
 
     @property
-    def shape(self) -> tuple[int, int, int, int, int]:
-        """One layer's cache: `[replicas, blocks_per_replica, block_size, 2 * kv_heads, head_dim]`."""
-        return (self.num_replicas, self.blocks_per_replica, self.block_size, 2 * self.num_kv_heads, self.head_dim)
+    def shape(self) -> tuple[int, int, int, int, int, int]:
+        """One layer's cache: `[replicas, 2 (K, V), kv_heads, blocks_per_replica, block_size, head_dim]`."""
+        return (self.num_replicas, 2, self.num_kv_heads, self.blocks_per_replica, self.block_size, self.head_dim)
 
     @property
     def bytes_per_block(self) -> int:

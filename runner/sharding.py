@@ -28,7 +28,7 @@ PARAM_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"layers\.\d+\.mlp\.down_proj\.kernel", ("mlp", None)),
     (r".*", ()),  # norms, biases of row-parallel layers, buffers: replicated
 )
-KV_CACHE_AXES: tuple[str | None, ...] = ("replica", None, None, "kv_heads", None)  # [R, pages, page, 2*Hkv, D]
+KV_CACHE_AXES: tuple[str | None, ...] = ("replica", None, "kv_heads", None, None, None)  # [R, 2, Hkv, P, page, D]
 LOGICAL_TO_MESH: dict[str, str] = {"vocab": "model", "heads": "model", "mlp": "model", "kv_heads": "model",
                                    "replica": "data"}
 
@@ -55,9 +55,7 @@ def spec_for(shape: tuple[int, ...], logical: tuple[str | None, ...], mesh: Mesh
     axes: list[str | None] = []
     for dim, name in zip(shape, logical + (None,) * (len(shape) - len(logical))):
         mesh_axis = LOGICAL_TO_MESH.get(name) if name else None
-        # K and V of one head sit side by side on the KV-cache head axis: split only whole pairs.
-        unit = 2 if name == "kv_heads" else 1
-        if mesh_axis is not None and mesh.shape[mesh_axis] > 1 and dim % (unit * mesh.shape[mesh_axis]) == 0:
+        if mesh_axis is not None and mesh.shape[mesh_axis] > 1 and dim % mesh.shape[mesh_axis] == 0:
             axes.append(mesh_axis)
         else:
             axes.append(None)

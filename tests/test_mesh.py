@@ -60,7 +60,7 @@ def test_data_parallel_replicas_own_their_kv_blocks(setup: tuple) -> None:
     model, prompts, ref = setup
     engine = Engine.from_model(model, IdTokenizer(), mesh=(4, 1), **{**KW, "kv_cache_blocks": 12})
     kv = engine.runner.kv_caches[0]
-    assert kv.shape[0] == 4 and kv.shape[1] == 12
+    assert kv.shape[0] == 4 and kv.shape[3] == 12
     device = engine.runner.mesh.devices.flat[0]
     assert sum(s.data.nbytes for s in kv.addressable_shards if s.device == device) == kv.nbytes // 4
     many = prompts * 3

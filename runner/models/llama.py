@@ -19,7 +19,7 @@ from jaxtyping import Array, Float, Int
 from runner.attention import AttentionMetadata, causal_attention, ragged_paged_attention, write_kv
 from runner.models.config import ModelConfig
 
-KVCaches = tuple[Float[Array, "P page 2Hkv D"], ...]
+KVCaches = tuple[Float[Array, "2 Hkv P page D"], ...]
 
 
 def _dtype(name: str) -> jnp.dtype:
@@ -116,8 +116,8 @@ class Attention(nnx.Module):
         o = causal_attention(q, k, v, sm_scale=self.head_dim ** -0.5, attention_mask=attention_mask)
         return self.o_proj(o.reshape(*x.shape[:-1], -1))
 
-    def paged(self, x: Float[Array, "T H"], positions: Int[Array, "T"], kv_pages: Float[Array, "P page 2Hkv D"],
-              md: AttentionMetadata) -> tuple[Float[Array, "T H"], Float[Array, "P page 2Hkv D"]]:
+    def paged(self, x: Float[Array, "T H"], positions: Int[Array, "T"], kv_pages: Float[Array, "2 Hkv P page D"],
+              md: AttentionMetadata) -> tuple[Float[Array, "T H"], Float[Array, "2 Hkv P page D"]]:
         q, k, v = self.qkv(x, positions)
         kv_pages = write_kv(kv_pages, k, v, md.slot_mapping)
         o = ragged_paged_attention(q, kv_pages, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
@@ -152,8 +152,8 @@ class DecoderLayer(nnx.Module):
         x = x + self.self_attn(self.input_layernorm(x), positions, attention_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def paged(self, x: Float[Array, "T H"], positions: Int[Array, "T"], kv_pages: Float[Array, "P page 2Hkv D"],
-              md: AttentionMetadata) -> tuple[Float[Array, "T H"], Float[Array, "P page 2Hkv D"]]:
+    def paged(self, x: Float[Array, "T H"], positions: Int[Array, "T"], kv_pages: Float[Array, "2 Hkv P page D"],
+              md: AttentionMetadata) -> tuple[Float[Array, "T H"], Float[Array, "2 Hkv P page D"]]:
         attn, kv_pages = self.self_attn.paged(self.input_layernorm(x), positions, kv_pages, md)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), kv_pages
