@@ -60,7 +60,12 @@ class Engine:
                              f"of max_model_len={config.max_model_len}; give at least {max_pages} blocks")
         kv_spec = dataclasses.replace(kv_spec, num_blocks=kv_spec.num_blocks * num_replicas, num_replicas=num_replicas)
         buckets = BucketConfig(config.max_num_seqs, config.max_num_batched_tokens, max_pages)
-        self.runner = ModelRunner(model, kv_spec, buckets, max_logprobs=config.max_logprobs, mesh=device_mesh)
+        attention_impl = config.attention_backend
+        if attention_impl == "auto":
+            on_gpu = device_mesh.devices.flat[0].platform == "gpu"
+            attention_impl = "pallas_gpu" if on_gpu and device_mesh.shape["model"] == 1 else "jax"
+        self.runner = ModelRunner(model, kv_spec, buckets, max_logprobs=config.max_logprobs, mesh=device_mesh,
+                                  attention_impl=attention_impl)
         self.block_manager = BlockManager(kv_spec.num_blocks, block_size, num_replicas=num_replicas,
                                           enable_prefix_caching=config.enable_prefix_caching)
         spec = config.speculative

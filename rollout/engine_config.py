@@ -6,6 +6,7 @@ import dataclasses
 
 from rollout.scheduler import ScheduledBatch
 from rollout.speculator import SpecStats
+from runner.attention import ATTENTION_IMPLS
 from runner.spec_decode.ngram import NgramConfig
 
 
@@ -28,6 +29,9 @@ class EngineConfig:
     max_logprobs: int = 20
     enable_prefix_caching: bool = True
     speculative: NgramConfig | None = None  # draft with n-gram prompt lookup, verified exactly
+    # "auto": JAX's Pallas paged-attention kernel for decode steps on a GPU without tensor
+    # parallelism, the pure-JAX kernel otherwise; or one of runner.attention.ATTENTION_IMPLS.
+    attention_backend: str = "auto"
 
 
     def __post_init__(self) -> None:
@@ -43,6 +47,8 @@ class EngineConfig:
             raise ValueError(f"speculative must be an NgramConfig or None, got {type(self.speculative).__name__}")
         if self.speculative is not None and self.speculative.k + 1 > 8:
             raise ValueError(f"speculative k must be <= 7 (a verification row holds 8 tokens), got {self.speculative.k}")
+        if self.attention_backend not in ("auto", *ATTENTION_IMPLS):
+            raise ValueError(f"attention_backend must be 'auto' or one of {ATTENTION_IMPLS}, got {self.attention_backend!r}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
 

@@ -32,6 +32,58 @@ class AttentionMetadata:
     cu_q_lens: Int[Array, "S+1"]  # start of each sequence's queries in the packed token axis
     num_seqs: Int[Array, "1"]  # number of real sequences (the rest of S is padding)
     max_q_len: int = dataclasses.field(metadata=dict(static=True), default=1)  # static bound on any q_len
+    impl: str = dataclasses.field(metadata=dict(static=True), default="jax")  # one of ATTENTION_IMPLS
+
+
+ATTENTION_IMPLS = ("jax", "pallas_gpu", "pallas_gpu_interpret")
+
+
+def paged_attention(
+    queries: Float[Array, "T Hq D"],
+    kv_pages: Float[Array, "2 Hkv P page D"],
+    md: AttentionMetadata,
+    *,
+    sm_scale: float,
+) -> Float[Array, "T Hq D"]:
+    """The engine's one attention boundary: `md.impl` picks the kernel.
+
+    "jax" is the pure-JAX `ragged_paged_attention` (every step, every backend). "pallas_gpu" sends
+    decode steps (one query per sequence) to JAX's Pallas GPU `paged_attention` kernel over the same
+    cache (`kv_pages[0]`, `kv_pages[1]`), and every other step to the pure-JAX version;
+    "pallas_gpu_interpret" runs that kernel in Pallas interpret mode (any backend; tests).
+    """
+    if md.impl not in ATTENTION_IMPLS:
+        raise ValueError(f"unknown attention impl {md.impl!r}; choose one of {ATTENTION_IMPLS}")
+    if md.impl != "jax" and md.max_q_len == 1 and queries.shape[0] == md.page_indices.shape[0]:
+        return _pallas_gpu_decode(queries, kv_pages, md.kv_lens, md.page_indices, sm_scale=sm_scale,
+                                  interpret=md.impl == "pallas_gpu_interpret")
+    return ragged_paged_attention(queries, kv_pages, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
+                                  sm_scale=sm_scale, max_q_len=md.max_q_len)
+
+
+def _largest_divisor(n: int, options: tuple[int, ...]) -> int:
+    return next(d for d in options if n % d == 0)
+
+
+def _pallas_gpu_decode(
+    queries: Float[Array, "S Hq D"],
+    kv_pages: Float[Array, "2 Hkv P page D"],
+    kv_lens: Int[Array, "S"],
+    page_indices: Int[Array, "S W"],
+    *,
+    sm_scale: float,
+    interpret: bool,
+) -> Float[Array, "S Hq D"]:
+    """One query per sequence through `jax.experimental.pallas.ops.gpu.paged_attention`."""
+    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as pallas_paged_attention
+
+    pages_per_seq = page_indices.shape[1]
+    k_splits = _largest_divisor(pages_per_seq, (16, 8, 4, 2, 1))
+    per_block = _largest_divisor(pages_per_seq // k_splits, (8, 4, 2, 1))
+    q = (queries.astype(jnp.float32) * sm_scale).astype(queries.dtype)
+    out = pallas_paged_attention(q, kv_pages[0], kv_pages[1], page_indices, kv_lens, k_splits=k_splits,
+                                 pages_per_compute_block=per_block, interpret=interpret)
+    return jnp.where((kv_lens > 0)[:, None, None], out, 0.0).astype(queries.dtype)
 
 
 def write_kv(

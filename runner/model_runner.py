@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int
 
-from runner.attention import AttentionMetadata
+from runner.attention import ATTENTION_IMPLS, AttentionMetadata
 from runner.buckets import BucketConfig
 from runner.kv_cache import KVCacheSpec, allocate_kv_caches
 from runner.models.llama import KVCaches, LlamaForCausalLM
@@ -92,9 +92,15 @@ class ModelRunner:
     """Owns the model's device state, the paged KV caches and the compiled step programs."""
 
     def __init__(self, model: LlamaForCausalLM, kv_spec: KVCacheSpec, buckets: BucketConfig,
-                 *, max_logprobs: int = 20, mesh: Mesh | None = None) -> None:
+                 *, max_logprobs: int = 20, mesh: Mesh | None = None, attention_impl: str = "jax") -> None:
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         self.mesh = mesh if mesh is not None else make_mesh(None)
+        if attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"unknown attention impl {attention_impl!r}; choose one of {ATTENTION_IMPLS}")
+        if attention_impl != "jax" and self.mesh.shape["model"] > 1:
+            raise ValueError(f"attention impl {attention_impl!r} runs unpartitioned: it needs a mesh whose "
+                             f"'model' axis is 1, got {self.mesh.shape['model']} (use 'jax')")
+        self.attention_impl = attention_impl
         if kv_spec.num_replicas != self.mesh.shape["data"]:
             raise ValueError(f"the KV cache has {kv_spec.num_replicas} replica(s) but the mesh's data axis is "
                              f"{self.mesh.shape['data']}")
@@ -123,6 +129,8 @@ class ModelRunner:
         """Pad (per replica), run one compiled step, and return the sampled tokens in the batch's order."""
         spec = self.kv_spec
         padded, layout = pad_replicas(batch, self.buckets, spec.block_size, spec.num_replicas, spec.blocks_per_replica)
+        if self.attention_impl != "jax":
+            padded = dataclasses.replace(padded, md=dataclasses.replace(padded.md, impl=self.attention_impl))
         shardings = jax.tree.map(lambda x: self._input_sharding if np.ndim(x) else self._scalar_sharding, padded)
         device_batch = jax.device_put(padded, shardings)
         self.kv_caches, out, extra = self._step_fn(

@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from runner.attention import AttentionMetadata, causal_attention, ragged_paged_attention, write_kv
+from runner.attention import AttentionMetadata, causal_attention, paged_attention, write_kv
 from runner.models.config import ModelConfig
 
 KVCaches = tuple[Float[Array, "2 Hkv P page D"], ...]
@@ -120,8 +120,7 @@ class Attention(nnx.Module):
               md: AttentionMetadata) -> tuple[Float[Array, "T H"], Float[Array, "2 Hkv P page D"]]:
         q, k, v = self.qkv(x, positions)
         kv_pages = write_kv(kv_pages, k, v, md.slot_mapping)
-        o = ragged_paged_attention(q, kv_pages, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
-                                   sm_scale=self.head_dim ** -0.5, max_q_len=md.max_q_len)
+        o = paged_attention(q, kv_pages, md, sm_scale=self.head_dim ** -0.5)
         return self.o_proj(o.reshape(x.shape[0], -1)), kv_pages
 
 
