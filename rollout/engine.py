@@ -137,7 +137,9 @@ class Engine:
         batch = self.scheduler.schedule()
         drafts = self.speculator.propose(batch) if self.speculator is not None else None
         start = time.perf_counter()
-        result = self.runner.run(build_step(batch, self.eos_token_ids, drafts))
+        spec = self.config.speculative
+        rejection = spec is not None and spec.verification == "rejection"
+        result = self.runner.run(build_step(batch, self.eos_token_ids, drafts, rejection=rejection))
         if drafts is None:
             finished = self.outputs.process(batch, result)
         else:
@@ -202,7 +204,8 @@ class Engine:
         to compile those too.
         """
         spec = self.config.speculative
-        return self.runner.warmup(prompt_logprobs=prompt_logprobs, speculative_k=spec.k if spec else 0)
+        return self.runner.warmup(prompt_logprobs=prompt_logprobs, speculative_k=spec.k if spec else 0,
+                                  rejection=spec is not None and spec.verification == "rejection")
 
     def stats(self) -> EngineStats:
         """Counters since the engine was built (a copy)."""

@@ -17,10 +17,10 @@ def suppressed_ids(seq: Sequence, eos_token_ids: tuple[int, ...]) -> list[int]:
 
 
 def build_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...],
-               drafts: list[np.ndarray] | None = None) -> StepBatch:
+               drafts: list[np.ndarray] | None = None, *, rejection: bool = False) -> StepBatch:
     """Pack the scheduled tokens of every sequence, with their sampling settings (pure numpy)."""
     if drafts is not None:
-        return build_verify_step(batch, eos_token_ids, drafts)
+        return build_verify_step(batch, eos_token_ids, drafts, rejection=rejection)
     seqs, counts = batch.seqs, np.asarray(batch.num_new_tokens, np.int32)
     starts = np.array([s.num_computed_tokens for s in seqs], np.int32)
     kv_lens = starts + counts
@@ -54,8 +54,13 @@ def build_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...],
         target_ids=target_ids, replicas=np.array([s.replica for s in seqs], np.int32))
 
 
-def build_verify_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...], drafts: list[np.ndarray]) -> StepBatch:
-    """A decode step that also feeds each sequence's draft tokens and samples after every position."""
+def build_verify_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...], drafts: list[np.ndarray],
+                      *, rejection: bool = False) -> StepBatch:
+    """A decode step that also feeds each sequence's draft tokens and samples after every position.
+
+    `rejection`: row r of a sequence verifies its draft r by rejection sampling (the last row has
+    none); otherwise every row replays the plain per-position draw (exact replay).
+    """
     seqs = batch.seqs
     counts = np.array([1 + len(d) for d in drafts], np.int32)
     starts = np.array([s.num_computed_tokens for s in seqs], np.int32)
@@ -82,4 +87,5 @@ def build_verify_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...], dra
         processed=np.array([p.logprobs_mode == "processed" for p in params], bool),
         suppress_ids=suppress,
         num_top_logprobs=max((s.params.logprobs or 0 for s in seqs), default=0),
-        logits_indices=np.arange(len(token_ids), dtype=np.int32), replicas=np.array([s.replica for s in seqs], np.int32))
+        logits_indices=np.arange(len(token_ids), dtype=np.int32), replicas=np.array([s.replica for s in seqs], np.int32),
+        draft_ids=np.concatenate([np.append(d, -1) for d in drafts]).astype(np.int32) if rejection else None)

@@ -146,11 +146,12 @@ class ModelRunner:
                 token_top_logprobs=extra.top_logprobs[tokens, :k])
         return result
 
-    def warmup(self, *, prompt_logprobs: bool = False, speculative_k: int = 0) -> int:
+    def warmup(self, *, prompt_logprobs: bool = False, speculative_k: int = 0, rejection: bool = False) -> int:
         """Compile every bucket by running dummy steps whose K/V writes are all dropped; returns the count.
 
         `prompt_logprobs=True` also compiles the prefill programs that return per-token logprobs;
-        `speculative_k > 0` the verification programs (a sampled row per token).
+        `speculative_k > 0` the verification programs (a sampled row per token), `rejection` those
+        of rejection-sampling verification.
         """
         bk = self.buckets
         shapes = [(True, s, p) for s, p in itertools.product(bk.seq_buckets, bk.page_buckets)]
@@ -168,7 +169,10 @@ class ModelRunner:
         if speculative_k:
             for n, top in itertools.product(bk.verify_buckets, tops):
                 if n <= bk.max_num_seqs * (speculative_k + 1):
-                    self.run(self._dummy_verify(n, bk.page_buckets[-1], speculative_k, top))
+                    step = self._dummy_verify(n, bk.page_buckets[-1], speculative_k, top)
+                    if rejection:
+                        step = dataclasses.replace(step, draft_ids=np.full(step.num_rows, -1, np.int32))
+                    self.run(step)
                     count += 1
         return count
 

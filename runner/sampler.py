@@ -26,6 +26,12 @@ on CPU), so a row's token depends only on its own logits,
 settings, seed, sample index and position: never on the other rows, the batch order, or whether
 the batch ran in "random" or "filtered" mode (a row without filters gets the same token in both).
 
+Rejection sampling (`draft_ids` given, speculative decoding's optional mode): a row with a draft
+token d (a deterministic n-gram draft, so the draft distribution q is one-hot at d) keeps d with
+probability min(1, p(d) / q(d)) = p(d), drawn from a second uniform (key folded with 1), and
+otherwise draws from norm(max(0, p - q)) = p without d, with the row's usual uniform. The token is
+then distributed exactly as p; greedy rows keep their argmax (accepting d only if it is the argmax).
+
 Logprobs (per row, chosen by `SamplingInputs.processed`):
 - raw: `log_softmax` of the model's logits as given (suppression is NOT applied).
 - processed: `log_softmax` of the distribution actually sampled from (after suppression,
@@ -65,6 +71,9 @@ class SamplingInputs:
     positions: Int[Array, "S"]  # absolute position of the token being sampled
     suppress_ids: Int[Array, "S M"]  # token ids forbidden this step (-1 = none), e.g. EOS before min_tokens
     processed: Bool[Array, "S"]  # logprobs of the processed distribution (True) or raw logits (False)
+    # Speculative rejection sampling: the draft token each row verifies (-1 = none, a plain draw).
+    # None (the default) compiles no verification code.
+    draft_ids: Int[Array, "S"] | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -118,6 +127,24 @@ def _row_keys(inputs: SamplingInputs) -> jax.Array:
 
 
 CDF_BLOCK = 128  # inverse-CDF sampling scans block sums, then one block (no full-vocabulary cumsum)
+
+
+def _verify_drafts(processed: Float[Array, "S V"], sampled: Int[Array, "S"], greedy: Bool[Array, "S"],
+                   inputs: SamplingInputs) -> Int[Array, "S"]:
+    """Rejection sampling of each row's draft token against the processed distribution (see module doc)."""
+    num_rows, vocab = processed.shape
+    draft = inputs.draft_ids.astype(jnp.int32)
+    has_draft = (draft >= 0) & (draft < vocab)
+    d = jnp.clip(draft, 0, vocab - 1)
+    log_p_draft = jnp.take_along_axis(processed, d[:, None], axis=1)[:, 0] - jax.nn.logsumexp(processed, axis=1)
+    accept_keys = jax.vmap(lambda k: jax.random.fold_in(k, 1))(_row_keys(inputs))
+    u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(accept_keys)
+    is_draft = lax.broadcasted_iota(jnp.int32, processed.shape, 1) == d[:, None]
+    residual = jnp.where(has_draft[:, None] & is_draft, -jnp.inf, processed)
+    empty = jnp.all(residual == -jnp.inf, axis=1)  # p(d) = 1: d is always kept
+    accept = (jnp.log(u) < log_p_draft) | empty
+    resampled = _inverse_cdf(jnp.where(empty[:, None], processed, residual), inputs)
+    return jnp.where(greedy | ~has_draft, sampled, jnp.where(accept, d, resampled))
 
 
 def _inverse_cdf(processed: Float[Array, "S V"], inputs: SamplingInputs) -> Int[Array, "S"]:
@@ -292,6 +319,8 @@ def sample(
         else:
             processed = scaled
         token_ids = jnp.where(greedy, jnp.argmax(processed, axis=1).astype(jnp.int32), _inverse_cdf(processed, inputs))
+        if inputs.draft_ids is not None:
+            token_ids = _verify_drafts(processed, token_ids, greedy, inputs)
 
     want_processed = inputs.processed.astype(jnp.bool_)
     if num_top_logprobs > 0:

@@ -47,6 +47,7 @@ class StepBatch:
     # None = the last token of each sequence. The sampling arrays above then have N rows, not S.
     logits_indices: np.ndarray | None = None
     replicas: np.ndarray | None = None  # [S] data-parallel replica of each sequence; None = all on 0
+    draft_ids: np.ndarray | None = None  # [N] draft token each sampled row verifies by rejection sampling (-1 none)
 
     @property
     def is_decode(self) -> bool:
@@ -110,6 +111,7 @@ def split_replicas(b: StepBatch, num_replicas: int, blocks_per_replica: int
             seeds=row(b.seeds), sample_index=row(b.sample_index), processed=row(b.processed),
             suppress_ids=row(b.suppress_ids),
             target_ids=None if b.target_ids is None else b.target_ids[tok_mask],
+            draft_ids=None if b.draft_ids is None else row(b.draft_ids),
             logits_indices=None if b.logits_indices is None else local_token[b.logits_indices[rows]].astype(np.int32),
             replicas=None)
         parts.append((part, rows, np.flatnonzero(tok_mask)))
@@ -202,7 +204,8 @@ def _pad_one(b: StepBatch, s: _Shape) -> DeviceBatch:
         top_p=pad(b.top_p, rows, 1.0, np.float32), min_p=pad(b.min_p, rows, 0.0, np.float32),
         seeds=pad(b.seeds, rows, 0, np.uint32), sample_index=pad(b.sample_index, rows),
         positions=pad(sample_positions, rows), processed=pad(b.processed, rows, False, np.bool_),
-        suppress_ids=pad(b.suppress_ids, rows, -1))
+        suppress_ids=pad(b.suppress_ids, rows, -1),
+        draft_ids=None if b.draft_ids is None else pad(b.draft_ids, rows, -1))
     return DeviceBatch(
         token_ids=pad(b.token_ids, s.padded_tokens), positions=pad(b.positions, s.padded_tokens),
         md=AttentionMetadata(slot_mapping=slot_mapping, kv_lens=kv_lens, page_indices=page_indices,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -194,6 +196,53 @@ def test_chi_square_against_exact_distribution(case: str, small_logits: np.ndarr
     if case != "temperature_0.7":
         assert (expected == 0).any()  # the case really filters something
     check_goodness_of_fit(tokens, expected)
+
+
+REJECTION_CASES = {
+    "t1_likely_draft": (dict(temperature=1.0), "likely"),
+    "t0.7_unlikely_draft": (dict(temperature=0.7), "unlikely"),
+    "top_p0.8_likely_draft": (dict(top_p=0.8), "likely"),
+    "top_p0.8_filtered_draft": (dict(top_p=0.8), "filtered"),
+    "combined_likely_draft": (dict(temperature=1.3, top_k=12, top_p=0.9, min_p=0.05), "likely"),
+}
+
+
+@pytest.mark.parametrize("case", list(REJECTION_CASES))
+def test_rejection_sampling_matches_exact_distribution(case: str, small_logits: np.ndarray) -> None:
+    """Speculative rejection sampling (accept d w.p. p(d), else draw from p without d) is lossless:
+    the empirical distribution of the emitted token is the processed distribution."""
+    settings, which = REJECTION_CASES[case]
+    expected = ref_processed(small_logits, **settings)
+    order = np.argsort(-expected, kind="stable")
+    draft = {"likely": order[0], "unlikely": order[int((expected > 0).sum()) - 1],
+             "filtered": int(np.flatnonzero(expected == 0)[0]) if (expected == 0).any() else -1}[which]
+    assert draft >= 0
+    draws = 20_000
+    logits = jnp.broadcast_to(jnp.asarray(small_logits), (draws, V_SMALL))
+    inputs = make_inputs(draws, seeds=4321, positions=np.arange(draws), **settings)
+    inputs = dataclasses.replace(inputs, draft_ids=jnp.full((draws,), draft, jnp.int32))
+    mode = choose_mode(np.asarray(inputs.temperature), np.asarray(inputs.top_k), np.asarray(inputs.top_p),
+                       np.asarray(inputs.min_p))
+    out = sample(logits, inputs, mode=mode)
+    tokens = np.asarray(out.token_ids)
+    check_goodness_of_fit(tokens, expected)
+    if which == "filtered":
+        assert not np.any(tokens == draft)
+    # the emitted token's (processed) logprob is the target's, as without speculation
+    np.testing.assert_allclose(np.asarray(out.logprobs), np.log(expected[tokens]), atol=1e-5)
+
+
+def test_rejection_without_drafts_is_the_plain_draw(small_logits: np.ndarray) -> None:
+    """Rows with no draft (-1), and greedy rows, give exactly the plain tokens."""
+    rows = 512
+    logits = jnp.broadcast_to(jnp.asarray(small_logits), (rows, V_SMALL))
+    temps = np.where(np.arange(rows) % 4 == 0, 0.0, 0.9)
+    inputs = make_inputs(rows, seeds=np.arange(rows), temperature=temps, top_p=0.95)
+    drafts = np.where(np.arange(rows) % 2 == 0, -1, 3).astype(np.int32)  # greedy rows get drafts too
+    plain = np.asarray(sample(logits, inputs, mode="filtered").token_ids)
+    rej = np.asarray(sample(logits, dataclasses.replace(inputs, draft_ids=jnp.asarray(drafts)), mode="filtered").token_ids)
+    no_draft_or_greedy = (drafts < 0) | (temps == 0)
+    np.testing.assert_array_equal(rej[no_draft_or_greedy], plain[no_draft_or_greedy])
 
 
 @pytest.mark.parametrize(

@@ -293,3 +293,55 @@ def test_worth_it_decision() -> None:
     off.record_step(8, True, 1.0)
     off.record_step(8, False, 0.001)
     assert decisions(off, 8, 32) == [True] * 32  # auto_disable=False: always draft
+
+
+# ---- rejection-sampling verification -------------------------------------------------------------
+
+REJECTION = dataclasses.replace(SPEC, verification="rejection")
+
+
+@pytest.fixture(scope="module")
+def rejection(model) -> Engine:
+    return Engine.from_model(model, ByteTokenizer(), **ENGINE_KW, speculative=REJECTION)
+
+
+def test_rejection_mode_greedy_equals_plain(plain: Engine, rejection: Engine) -> None:
+    prompts = repetitive_prompts(41, 8)
+    sp = SamplingParams(temperature=0.0, max_tokens=24, logprobs=2, ignore_eos=True)
+    assert_same(plain.generate(prompts, sp), rejection.generate(prompts, sp), logprobs=True)
+    assert rejection.stats().speculative.accepted_tokens > 0
+
+
+def test_rejection_mode_samples_the_target_distribution(plain: Engine, rejection: Engine) -> None:
+    """Many samples of one repetitive prompt: at every position the rejection-sampled tokens and
+    plain decoding's tokens come from the same distribution (chi-square homogeneity test), drafts
+    do get accepted, and every emitted logprob is the target's (checked against plain decoding's
+    logprob of the same token after the same prefix)."""
+    from scipy import stats as scipy_stats
+
+    prompt = repetitive_prompts(43, 1)[0]
+    sp = SamplingParams(n=400, temperature=1.0, top_p=0.95, seed=9, max_tokens=4, logprobs=0, ignore_eos=True)
+    before = rejection.stats().speculative.accepted_tokens
+    got = rejection.generate([prompt], sp)[0].outputs
+    want = plain.generate([prompt], sp)[0].outputs
+    assert rejection.stats().speculative.accepted_tokens > before
+    compared = 0
+    for pos in range(1, 4):
+        a = np.array([c.token_ids[pos] for c in got])
+        b = np.array([c.token_ids[pos] for c in want])
+        values = np.union1d(a, b)
+        table = np.array([[np.sum(x == v) for v in values] for x in (a, b)])
+        common = table.sum(0) >= 10
+        table = np.concatenate([table[:, common], table[:, ~common].sum(1, keepdims=True)], axis=1)
+        table = table[:, table.sum(0) > 0]
+        if table.shape[1] > 1:
+            assert scipy_stats.chi2_contingency(table).pvalue > 1e-3, (pos, table)
+            compared += table.shape[1]
+    assert compared >= 6, "the prompt's continuations are too deterministic to test anything"
+    # logprobs: a plain engine scoring the same continuation gives the same per-token logprobs
+    for c in got[:5]:
+        forced = plain.generate([prompt + c.token_ids[:-1]], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+        scored = forced.prompt_logprobs[len(prompt):]  # logprob of c.token_ids[i] after prompt + c.token_ids[:i]
+        assert len(scored) == 3
+        for i, lp in enumerate(scored):
+            assert lp.token_id == c.token_ids[i] and close(lp.logprob, c.logprobs[i].logprob)

@@ -16,8 +16,14 @@ class NgramConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
     auto_disable: bool = True  # skip drafting in steps where measured times say plain decoding is faster
+    # "exact": replay the target's own per-position draw (outputs bit-identical to plain decoding);
+    # "rejection": accept a draft with probability p(draft), else draw from p without it (lossless
+    # in distribution; accepts more often when sampling, different tokens than plain decoding).
+    verification: str = "exact"
 
     def __post_init__(self) -> None:
+        if self.verification not in ("exact", "rejection"):
+            raise ValueError(f"NgramConfig.verification must be 'exact' or 'rejection', got {self.verification!r}")
         if self.k < 1:
             raise ValueError(f"NgramConfig.k must be >= 1, got {self.k}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
