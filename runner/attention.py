@@ -92,11 +92,19 @@ def write_kv(
     v: Float[Array, "T Hkv D"],
     slot_mapping: Int[Array, "T"],
 ) -> Float[Array, "2 Hkv P page D"]:
-    """Scatter this step's K and V into their slots; out-of-range slots are dropped."""
+    """Scatter this step's K and V into their slots; out-of-range slots are dropped.
+
+    Written as one scatter of `head_dim` rows into the cache viewed as `[2 * Hkv * P * page, D]`:
+    a scatter along an inner axis makes XLA:CPU copy the whole cache when a step has one token.
+    """
     two, num_kv_heads, num_pages, page_size, head_dim = kv_pages.shape
+    num_slots = num_pages * page_size
     kv = jnp.stack([k, v]).transpose(0, 2, 1, 3).astype(kv_pages.dtype)  # [2, Hkv, T, D]
-    flat = kv_pages.reshape(two, num_kv_heads, num_pages * page_size, head_dim)
-    flat = flat.at[:, :, slot_mapping].set(kv, mode="drop")
+    plane = jnp.arange(two * num_kv_heads, dtype=jnp.int32)[:, None] * num_slots  # [2Hkv, 1]
+    in_range = (slot_mapping >= 0) & (slot_mapping < num_slots)
+    rows = jnp.where(in_range[None, :], plane + slot_mapping[None, :], two * num_kv_heads * num_slots)
+    flat = kv_pages.reshape(two * num_kv_heads * num_slots, head_dim)
+    flat = flat.at[rows.reshape(-1)].set(kv.reshape(-1, head_dim), mode="drop")
     return flat.reshape(kv_pages.shape)
 
 
