@@ -59,7 +59,9 @@ class Engine:
             raise ValueError(f"the KV cache ({kv_spec.num_blocks} blocks of {block_size}) cannot hold one sequence "
                              f"of max_model_len={config.max_model_len}; give at least {max_pages} blocks")
         kv_spec = dataclasses.replace(kv_spec, num_blocks=kv_spec.num_blocks * num_replicas, num_replicas=num_replicas)
-        buckets = BucketConfig(config.max_num_seqs, config.max_num_batched_tokens, max_pages)
+        spec = config.speculative
+        buckets = BucketConfig(config.max_num_seqs, config.max_num_batched_tokens, max_pages,
+                               verify_rows=spec.k + 1 if spec is not None else 0)
         attention_impl = config.attention_backend
         if attention_impl == "auto":
             on_gpu = device_mesh.devices.flat[0].platform == "gpu"
@@ -68,7 +70,6 @@ class Engine:
                                   attention_impl=attention_impl)
         self.block_manager = BlockManager(kv_spec.num_blocks, block_size, num_replicas=num_replicas,
                                           enable_prefix_caching=config.enable_prefix_caching)
-        spec = config.speculative
         self.speculator = Speculator(spec, config.max_model_len, config.max_num_batched_tokens) if spec is not None else None
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    config.max_model_len, decode_steps=1 + (spec.k if spec else 0),

@@ -38,6 +38,7 @@ class BucketConfig:
     min_seqs: int = 1  # XLA:CPU runs a 1-row decode ~3x faster than an 8-row one: no padding up
     min_tokens: int = 32
     query_block: int = 32  # prefill queries are attended in pieces of at most this many tokens
+    verify_rows: int = 0  # rows of one sequence's verification step (k + 1): an exact bucket for B=1
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < self.query_block:
@@ -58,7 +59,8 @@ class BucketConfig:
     @property
     def verify_buckets(self) -> tuple[int, ...]:
         """Token (= sampled row) counts of speculative verification steps: small ones for small batches."""
-        return tuple(sorted(set(self.seq_buckets) | set(self.token_buckets)))
+        exact = {self.verify_rows} if self.verify_rows > 0 else set()
+        return tuple(sorted(set(self.seq_buckets) | set(self.token_buckets) | exact))
 
     def prefill_rows(self, num_tokens: int) -> int:
         """Sampling rows of a prefill step of `num_tokens` (padded) tokens."""
