@@ -71,6 +71,7 @@ class Engine:
         self.block_manager = BlockManager(kv_spec.num_blocks, block_size, num_replicas=num_replicas,
                                           enable_prefix_caching=config.enable_prefix_caching)
         self.speculator = Speculator(spec, config.max_model_len, config.max_num_batched_tokens) if spec is not None else None
+        self._rejection = spec is not None and spec.verification == "rejection"
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    config.max_model_len, decode_steps=1 + (spec.k if spec else 0),
                                                    num_replicas=num_replicas),
@@ -138,9 +139,7 @@ class Engine:
         batch = self.scheduler.schedule()
         drafts = self.speculator.propose(batch) if self.speculator is not None else None
         start = time.perf_counter()
-        spec = self.config.speculative
-        rejection = spec is not None and spec.verification == "rejection"
-        result = self.runner.run(build_step(batch, self.eos_token_ids, drafts, rejection=rejection))
+        result = self.runner.run(build_step(batch, self.eos_token_ids, drafts, rejection=self._rejection))
         if drafts is None:
             finished = self.outputs.process(batch, result)
         else:
@@ -206,7 +205,7 @@ class Engine:
         """
         spec = self.config.speculative
         return self.runner.warmup(prompt_logprobs=prompt_logprobs, speculative_k=spec.k if spec else 0,
-                                  rejection=spec is not None and spec.verification == "rejection")
+                                  rejection=self._rejection)
 
     def stats(self) -> EngineStats:
         """Counters since the engine was built (a copy)."""

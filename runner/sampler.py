@@ -129,9 +129,12 @@ def _row_keys(inputs: SamplingInputs) -> jax.Array:
 CDF_BLOCK = 128  # inverse-CDF sampling scans block sums, then one block (no full-vocabulary cumsum)
 
 
-def _verify_drafts(processed: Float[Array, "S V"], sampled: Int[Array, "S"], greedy: Bool[Array, "S"],
-                   inputs: SamplingInputs) -> Int[Array, "S"]:
-    """Rejection sampling of each row's draft token against the processed distribution (see module doc)."""
+def _verify_drafts(processed: Float[Array, "S V"], inputs: SamplingInputs) -> Int[Array, "S"]:
+    """Rejection sampling of each row's draft token against the processed distribution (see module doc).
+
+    Rows without a draft get the plain draw (their residual is the processed distribution itself),
+    so one inverse-CDF pass serves every row.
+    """
     num_rows, vocab = processed.shape
     draft = inputs.draft_ids.astype(jnp.int32)
     has_draft = (draft >= 0) & (draft < vocab)
@@ -142,9 +145,9 @@ def _verify_drafts(processed: Float[Array, "S V"], sampled: Int[Array, "S"], gre
     is_draft = lax.broadcasted_iota(jnp.int32, processed.shape, 1) == d[:, None]
     residual = jnp.where(has_draft[:, None] & is_draft, -jnp.inf, processed)
     empty = jnp.all(residual == -jnp.inf, axis=1)  # p(d) = 1: d is always kept
-    accept = (jnp.log(u) < log_p_draft) | empty
-    resampled = _inverse_cdf(jnp.where(empty[:, None], processed, residual), inputs)
-    return jnp.where(greedy | ~has_draft, sampled, jnp.where(accept, d, resampled))
+    accept = has_draft & ((jnp.log(u) < log_p_draft) | empty)
+    drawn = _inverse_cdf(jnp.where(empty[:, None], processed, residual), inputs)
+    return jnp.where(accept, d, drawn)
 
 
 def _inverse_cdf(processed: Float[Array, "S V"], inputs: SamplingInputs) -> Int[Array, "S"]:
@@ -318,9 +321,8 @@ def sample(
             processed = jnp.where(_filter_mask(scaled, inputs, greedy, num_candidates), scaled, -jnp.inf)
         else:
             processed = scaled
-        token_ids = jnp.where(greedy, jnp.argmax(processed, axis=1).astype(jnp.int32), _inverse_cdf(processed, inputs))
-        if inputs.draft_ids is not None:
-            token_ids = _verify_drafts(processed, token_ids, greedy, inputs)
+        drawn = _inverse_cdf(processed, inputs) if inputs.draft_ids is None else _verify_drafts(processed, inputs)
+        token_ids = jnp.where(greedy, jnp.argmax(processed, axis=1).astype(jnp.int32), drawn)
 
     want_processed = inputs.processed.astype(jnp.bool_)
     if num_top_logprobs > 0:
