@@ -1,4 +1,4 @@
-"""jax-rollout public API: `Engine`, `SamplingParams`, outputs, `load_tokenizer`.
+"""jax-rollout public API: `Engine`, `SamplingParams`, outputs, `load_tokenizer`, `NgramConfig`, `Eagle3Config`.
 
 Names are imported lazily so that the host-side scheduler and block manager stay importable
 (and testable) without JAX.
@@ -20,6 +20,7 @@ _EXPORTS = {
     "Tokenizer": "rollout.tokenizer",
     "load_tokenizer": "rollout.tokenizer",
     "NgramConfig": "runner.spec_decode.ngram",
+    "Eagle3Config": "runner.spec_decode.eagle3_config",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -29,6 +29,9 @@ from runner.buckets import BucketConfig
 from runner.compile_counter import num_compilations
 from runner.kv_cache import KVCacheSpec
 from runner.model_runner import MAX_SUPPRESS, ModelRunner
+from runner.spec_decode.eagle3_checkpoint import load_eagle3_head
+from runner.spec_decode.eagle3_config import Eagle3Config
+from runner.spec_decode.eagle3_drafter import DraftRequest
 from runner.models.llama import LlamaForCausalLM
 from runner.models.loader import load_model
 from runner.sharding import make_mesh
@@ -66,11 +69,16 @@ class Engine:
         if attention_impl == "auto":
             on_gpu = device_mesh.devices.flat[0].platform == "gpu"
             attention_impl = "pallas_gpu" if on_gpu and device_mesh.shape["model"] == 1 else "jax"
+        draft_head = None
+        if isinstance(spec, Eagle3Config):
+            draft_head = load_eagle3_head(spec.path, cfg, aux_layer_ids=spec.aux_layer_ids)
         self.runner = ModelRunner(model, kv_spec, buckets, max_logprobs=config.max_logprobs, mesh=device_mesh,
-                                  attention_impl=attention_impl)
+                                  attention_impl=attention_impl, draft_head=draft_head)
         self.block_manager = BlockManager(kv_spec.num_blocks, block_size, num_replicas=num_replicas,
                                           enable_prefix_caching=config.enable_prefix_caching)
-        self.speculator = Speculator(spec, config.max_model_len, config.max_num_batched_tokens) if spec is not None else None
+        self.speculator = None if spec is None else Speculator(
+            spec, config.max_model_len, config.max_num_batched_tokens,
+            draft_fn=self._eagle_drafts if draft_head is not None else None)
         self._rejection = spec is not None and spec.verification == "rejection"
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    config.max_model_len, decode_steps=1 + (spec.k if spec else 0),
@@ -159,11 +167,15 @@ class Engine:
         return build_rollout_batch(outputs, pad_id=pad_id, policy_version=self.policy_version)
 
     def sync_weights(self, params: object, mapping: str | tuple | list | None = None, *,
-                     version: int | None = None, check_finite: bool = False) -> None:
+                     version: int | None = None, check_finite: bool = False,
+                     draft_params: object | None = None, draft_mapping: str | tuple | list | None = None) -> None:
         """Put new policy parameters into the engine in place: no reload, no recompilation.
 
         `params` is the trainer's pytree: an `nnx.State` of this model class (mapping None), HF
         names and `[out, in]` layouts (mapping "hf"), or any tree with a `weight_sync` rule list.
+        `draft_params`: new EAGLE-3 head weights in the same call (an `nnx.State` of the head, or the
+        published layout with `draft_mapping="eagle3-hf"`); the head's shared embedding / lm_head
+        are the policy's own arrays, so they follow `params` without being passed.
         Everything is validated first (one error lists every problem, weights untouched). The KV
         cache allocation is kept; cached prefixes are dropped (their K/V came from old weights).
         Outputs record `version` (default: previous version + 1) as their `policy_version`.
@@ -171,8 +183,13 @@ class Engine:
         if self._generating:
             raise RuntimeError("sync_weights() was called while generate() is running; "
                                "call it between generate()/rollout() calls")
+        drafter = self.runner.drafter
+        if draft_params is not None and drafter is None:
+            raise ValueError("draft_params were given but this engine has no EAGLE-3 head "
+                             "(build it with speculative=Eagle3Config(...))")
         try:
             plan = weight_sync.plan(params, self.runner.params, mapping)  # cached per tree structure
+            draft_plan = None if draft_params is None else weight_sync.plan(draft_params, drafter.params, draft_mapping)
         except weight_sync.WeightSyncError as err:
             problems = list(err.problems)
             if check_finite:  # one error lists every problem: the NaN/Inf sources too
@@ -183,7 +200,12 @@ class Engine:
                 except weight_sync.WeightSyncError as nan_err:
                     problems += [p for p in nan_err.problems if p not in problems]
             raise weight_sync.WeightSyncError(problems) from None
+        if draft_plan is not None and check_finite:  # validate both before either is applied
+            src = weight_sync.flatten(draft_params, what="source")
+            reject_non_finite(src, sorted({p for op in draft_plan.ops for p in op.sources}))
         weight_sync.apply(plan, params, self.runner.params, check_finite=check_finite)
+        if draft_plan is not None:
+            weight_sync.apply(draft_plan, draft_params, drafter.params)
         self.block_manager.invalidate_prefix_cache()
         self.policy_version = version if version is not None else (self.policy_version or 0) + 1
         self.stats_.num_weight_syncs += 1
@@ -217,6 +239,15 @@ class Engine:
             speculative=dataclasses.replace(self.speculator.stats) if self.speculator is not None else None)
 
     # ---- internals --------------------------------------------------------------------------
+    def _eagle_drafts(self, seqs: list[Sequence], limits: list[int]) -> list[np.ndarray]:
+        """EAGLE-3 drafts from the head on the device (all sequences, then cut to their limits)."""
+        request = DraftRequest(
+            last_token_ids=np.array([s.token_ids[-1] for s in seqs], np.int32),
+            positions=np.array([s.num_computed_tokens - 1 for s in seqs], np.int32),
+            block_tables=[s.block_table for s in seqs], replicas=np.array([s.replica for s in seqs], np.int32))
+        drafts = self.runner.draft(request, self.config.speculative.k)
+        return [d[:max(lim, 0)] for d, lim in zip(drafts, limits)]
+
     def _normalize(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None
                    ) -> tuple[list[Prompt], list[SamplingParams]]:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, np.integer))):

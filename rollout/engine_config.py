@@ -7,6 +7,7 @@ import dataclasses
 from rollout.scheduler import ScheduledBatch
 from rollout.speculator import SpecStats
 from runner.attention import ATTENTION_IMPLS
+from runner.spec_decode.eagle3_config import Eagle3Config
 from runner.spec_decode.ngram import NgramConfig
 
 
@@ -28,7 +29,7 @@ class EngineConfig:
     seed: int = 0
     max_logprobs: int = 20
     enable_prefix_caching: bool = True
-    speculative: NgramConfig | None = None  # draft with n-gram prompt lookup, verified exactly
+    speculative: NgramConfig | Eagle3Config | None = None  # draft (n-gram lookup or an EAGLE-3 head), verified
     # "auto": JAX's Pallas paged-attention kernel for decode steps on a GPU without tensor
     # parallelism, the pure-JAX kernel otherwise; or one of runner.attention.ATTENTION_IMPLS.
     attention_backend: str = "auto"
@@ -43,8 +44,9 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 32, got {self.max_num_batched_tokens}")
         if self.kv_cache_blocks is not None and self.kv_cache_blocks < 1:
             raise ValueError(f"kv_cache_blocks must be >= 1, got {self.kv_cache_blocks}")
-        if self.speculative is not None and not isinstance(self.speculative, NgramConfig):
-            raise ValueError(f"speculative must be an NgramConfig or None, got {type(self.speculative).__name__}")
+        if self.speculative is not None and not isinstance(self.speculative, (NgramConfig, Eagle3Config)):
+            raise ValueError("speculative must be an NgramConfig, an Eagle3Config or None, got "
+                             f"{type(self.speculative).__name__}")
         if self.speculative is not None and self.speculative.k + 1 > 8:
             raise ValueError(f"speculative k must be <= 7 (a verification row holds 8 tokens), got {self.speculative.k}")
         if self.attention_backend not in ("auto", *ATTENTION_IMPLS):

@@ -1,6 +1,7 @@
 """Speculative decoding on the host side: which decode steps draft, the drafts, and acceptance stats.
 
-Drafts come from `runner.spec_decode` proposers. The target verifies all drafts in one step and
+Drafts come from `runner.spec_decode` proposers: n-gram lookup here on the host, or the EAGLE-3
+head through the runner (`draft_fn`). The target verifies all drafts in one step and
 samples after every position with the request's own per-position key ("exact replay"), so the
 emitted tokens and logprobs are those of plain decoding. Speculation turns itself off for a step
 when measured step times and acceptance say plain decoding would be faster.
@@ -10,12 +11,18 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 
 from rollout.scheduler import ScheduledBatch
+from rollout.sequence import Sequence
 from runner.compile_counter import num_compilations
+from runner.spec_decode.eagle3_config import Eagle3Config
 from runner.spec_decode.ngram import NgramConfig, propose_batch
+
+# (decode batch, per-sequence cap on drafted tokens) -> drafts per sequence
+DraftFn = Callable[[list[Sequence], list[int]], list[np.ndarray]]
 
 EMA = 0.2
 EXPLORE_EVERY = 16  # one decision in this many takes the other path, so both step times stay measured
@@ -44,10 +51,13 @@ class SpecStats:
 
 
 class Speculator:
-    """Proposes n-gram drafts for decode steps and decides per step whether drafting pays."""
+    """Proposes drafts for decode steps (n-gram lookup, or `draft_fn`: the EAGLE-3 head on the device)
+    and decides per step whether drafting pays."""
 
-    def __init__(self, config: NgramConfig, max_model_len: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, config: NgramConfig | Eagle3Config, max_model_len: int, max_num_batched_tokens: int,
+                 draft_fn: DraftFn | None = None) -> None:
         self.config = config
+        self.draft_fn = draft_fn if draft_fn is not None else self._ngram_drafts
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.stats = SpecStats()
@@ -69,11 +79,15 @@ class Speculator:
             return None
         limits = [min(per_seq, s.params.max_tokens - s.num_output_tokens - 1, self.max_model_len - s.num_tokens - 1)
                   for s in batch.seqs]
-        drafts = propose_batch([np.asarray(s.token_ids, np.int32) for s in batch.seqs], limits, self.config)
+        drafts = self.draft_fn(batch.seqs, limits)
         if not any(len(d) for d in drafts):
             return None
         self.stats.num_draft_steps += 1
         return drafts
+
+    def _ngram_drafts(self, seqs: list[Sequence], limits: list[int]) -> list[np.ndarray]:
+        assert isinstance(self.config, NgramConfig)
+        return propose_batch([np.asarray(s.token_ids, np.int32) for s in seqs], limits, self.config)
 
     def _worth_it(self, num_seqs: int) -> bool:
         if not self.config.auto_disable:

@@ -26,6 +26,8 @@ from runner.kv_cache import KVCacheSpec, allocate_kv_caches
 from runner.models.llama import KVCaches, LlamaForCausalLM
 from runner.sampler import SamplerOutput, sample
 from runner.sharding import kv_cache_sharding, make_mesh, shard_params
+from runner.spec_decode.eagle3 import Eagle3Head
+from runner.spec_decode.eagle3_drafter import DraftRequest, Eagle3Drafter
 from runner.step_inputs import (  # noqa: F401  (StepBatch, MAX_SUPPRESS: re-exported for the engine)
     MAX_SUPPRESS, SAMPLER_MODES, DeviceBatch, StepBatch, pad_replicas)
 
@@ -54,20 +56,21 @@ class TokenLogprobs:
 
 
 def _step(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State, kv_caches: KVCaches, batch: DeviceBatch,
-          *, num_top: int, token_logprobs: bool) -> tuple[KVCaches, SamplerOutput, TokenLogprobs | None]:
+          *, num_top: int, token_logprobs: bool, aux_layers: tuple[int, ...] = ()
+          ) -> tuple[KVCaches, SamplerOutput, TokenLogprobs | None, Float[Array, "R T A"]]:
     model: LlamaForCausalLM = nnx.merge(graphdef, params, rest)
 
     def replica_forward(token_ids: Array, positions: Array, kv: KVCaches, md: AttentionMetadata,
-                        logits_indices: Array) -> tuple[Array, Array, KVCaches]:
-        hidden, kv = model.forward_paged(token_ids, positions, kv, md)
-        return hidden, hidden[logits_indices], kv
+                        logits_indices: Array) -> tuple[Array, Array, KVCaches, Array]:
+        hidden, kv, aux = model.forward_paged(token_ids, positions, kv, md, aux_layers)
+        return hidden, hidden[logits_indices], kv, aux
 
     args = (batch.token_ids, batch.positions, kv_caches, batch.md, batch.logits_indices)
     if kv_caches[0].shape[0] == 1:  # one replica: no vmap, the plain program
-        hidden, rows_hidden, kv = replica_forward(*jax.tree.map(lambda x: x[0], args))
-        hidden, rows_hidden, kv_caches = jax.tree.map(lambda x: x[None], (hidden, rows_hidden, kv))
+        hidden, rows_hidden, kv, aux = replica_forward(*jax.tree.map(lambda x: x[0], args))
+        hidden, rows_hidden, kv_caches, aux = jax.tree.map(lambda x: x[None], (hidden, rows_hidden, kv, aux))
     else:  # data parallel: each replica (a slice of the `data` axis) over its own KV blocks
-        hidden, rows_hidden, kv_caches = jax.vmap(replica_forward)(*args)
+        hidden, rows_hidden, kv_caches, aux = jax.vmap(replica_forward)(*args)
     flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731  [R, N, ...] -> [R * N, ...]
     logits = model.compute_logits(flat(rows_hidden))
     branches = [functools.partial(sample, mode=m, num_top_logprobs=num_top) for m in SAMPLER_MODES]
@@ -78,13 +81,13 @@ def _step(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State, kv_caches:
         target = jnp.clip(flat(batch.target_ids), 0, logp.shape[-1] - 1)
         top_lp, top_ids = jax.lax.top_k(logp, num_top)
         extra = TokenLogprobs(jnp.take_along_axis(logp, target[:, None], axis=-1)[:, 0], top_ids, top_lp)
-    return kv_caches, out, extra
+    return kv_caches, out, extra, aux
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled_step(graphdef: nnx.GraphDef) -> Callable[..., tuple[KVCaches, SamplerOutput, TokenLogprobs | None]]:
+def _compiled_step(graphdef: nnx.GraphDef) -> Callable[..., tuple[KVCaches, SamplerOutput, TokenLogprobs | None, Array]]:
     """The jitted step of one model structure: engines over the same structure share compiled programs."""
-    return jax.jit(functools.partial(_step, graphdef), static_argnames=("num_top", "token_logprobs"),
+    return jax.jit(functools.partial(_step, graphdef), static_argnames=("num_top", "token_logprobs", "aux_layers"),
                    donate_argnums=(2,))
 
 
@@ -92,7 +95,8 @@ class ModelRunner:
     """Owns the model's device state, the paged KV caches and the compiled step programs."""
 
     def __init__(self, model: LlamaForCausalLM, kv_spec: KVCacheSpec, buckets: BucketConfig,
-                 *, max_logprobs: int = 20, mesh: Mesh | None = None, attention_impl: str = "jax") -> None:
+                 *, max_logprobs: int = 20, mesh: Mesh | None = None, attention_impl: str = "jax",
+                 draft_head: Eagle3Head | None = None) -> None:
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         self.mesh = mesh if mesh is not None else make_mesh(None)
         if attention_impl not in ATTENTION_IMPLS:
@@ -119,6 +123,7 @@ class ModelRunner:
         self.buckets = buckets
         self.max_logprobs = max_logprobs
         self.config = model.config
+        self.drafter = None if draft_head is None else Eagle3Drafter(draft_head, graphdef, kv_spec, buckets, self.mesh)
 
     @property
     def model(self) -> LlamaForCausalLM:
@@ -133,10 +138,13 @@ class ModelRunner:
             padded = dataclasses.replace(padded, md=dataclasses.replace(padded.md, impl=self.attention_impl))
         shardings = jax.tree.map(lambda x: self._input_sharding if np.ndim(x) else self._scalar_sharding, padded)
         device_batch = jax.device_put(padded, shardings)
-        self.kv_caches, out, extra = self._step_fn(
+        self.kv_caches, out, extra, aux = self._step_fn(
             self.params, self.rest, self.kv_caches, device_batch,
             num_top=self.max_logprobs if batch.num_top_logprobs > 0 else 0,
-            token_logprobs=batch.target_ids is not None)
+            token_logprobs=batch.target_ids is not None,
+            aux_layers=self.drafter.aux_layers if self.drafter is not None else ())
+        if self.drafter is not None:  # the head's cache follows every target step, on the device
+            self.drafter.fill(self.params, self.rest, aux, device_batch)
         out, extra = jax.device_get((out, extra))
         k, rows, tokens = batch.num_top_logprobs, layout.row_index, layout.token_index
         result = StepResult(out.token_ids[rows], out.logprobs[rows], out.top_ids[rows, :k], out.top_logprobs[rows, :k])
@@ -145,6 +153,12 @@ class ModelRunner:
                 result, token_logprobs=extra.logprobs[tokens], token_top_ids=extra.top_ids[tokens, :k],
                 token_top_logprobs=extra.top_logprobs[tokens, :k])
         return result
+
+    def draft(self, request: DraftRequest, num_steps: int) -> np.ndarray:
+        """`[S, num_steps]` EAGLE-3 drafts for a decode batch (needs a `draft_head`)."""
+        if self.drafter is None:
+            raise RuntimeError("this runner has no draft head")
+        return self.drafter.propose(self.params, self.rest, request, num_steps)
 
     def warmup(self, *, prompt_logprobs: bool = False, speculative_k: int = 0, rejection: bool = False) -> int:
         """Compile every bucket by running dummy steps whose K/V writes are all dropped; returns the count.
@@ -174,6 +188,8 @@ class ModelRunner:
                         step = dataclasses.replace(step, draft_ids=np.full(step.num_rows, -1, np.int32))
                     self.run(step)
                     count += 1
+            if self.drafter is not None:
+                count += self.drafter.warmup(self.params, self.rest, speculative_k)
         return count
 
     def _dummy_verify(self, n: int, pages: int, k: int, num_top: int) -> StepBatch:

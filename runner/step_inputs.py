@@ -71,6 +71,7 @@ class DeviceBatch:
     sampling: SamplingInputs  # each field [R, N, ...]
     mode: Int[Array, ""]  # index into SAMPLER_MODES (one per step)
     target_ids: Int[Array, "R T"]
+    prev_slot_mapping: Int[Array, "R T"]  # KV slot of position - 1 of each token (out of range at 0 / padding)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,6 +174,11 @@ def _pad_one(b: StepBatch, s: _Shape) -> DeviceBatch:
     slots = table[seq_of_token, pos // page].astype(np.int64) * page + pos % page
     slot_mapping = np.full(s.padded_tokens, s.num_blocks * page, np.int32)
     slot_mapping[:num_tokens] = slots
+    prev = np.maximum(pos - 1, 0)
+    prev_slots = np.where(pos > 0, table[seq_of_token, prev // page].astype(np.int64) * page + prev % page,
+                          s.num_blocks * page)
+    prev_slot_mapping = np.full(s.padded_tokens, s.num_blocks * page, np.int32)
+    prev_slot_mapping[:num_tokens] = prev_slots
 
     # Split each sequence's queries into pieces of <= piece_len tokens (each a row of attention).
     pieces = -(-b.q_lens // s.piece_len)
@@ -212,4 +218,5 @@ def _pad_one(b: StepBatch, s: _Shape) -> DeviceBatch:
                              cu_q_lens=cu_q_lens, num_seqs=np.array([len(piece_seq)], np.int32),
                              max_q_len=s.piece_len),
         logits_indices=pad(logits_indices, rows), sampling=sampling, mode=np.int32(0),
-        target_ids=pad(b.target_ids if b.target_ids is not None else np.zeros(0, np.int32), s.padded_tokens))
+        target_ids=pad(b.target_ids if b.target_ids is not None else np.zeros(0, np.int32), s.padded_tokens),
+        prev_slot_mapping=prev_slot_mapping)

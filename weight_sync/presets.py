@@ -12,6 +12,7 @@
 - `hf_fused()` (`"hf-fused"`): `hf()` plus a trainer with fused `self_attn.qkv_proj.weight`
   (`[q|k|v, H]`, concatenated on the output axis) and fused `mlp.gate_up_proj.weight`
   (`[gate|up, H]`), each split into the engine's separate kernels (sizes from the targets).
+- `eagle3_hf()` (`"eagle3-hf"`): a draft head in the published EAGLE-3 layout -> the engine's head.
 """
 
 from __future__ import annotations
@@ -65,11 +66,29 @@ def hf_fused() -> tuple[Rule, ...]:
     ) + hf()
 
 
+def eagle3_hf() -> tuple[Rule, ...]:
+    """The published EAGLE-3 head layout (`fc.weight`, `midlayer.*`, `norm`, `lm_head`) -> the engine's
+    `Eagle3Head`. The vocabulary maps `d2t`/`t2d` are structure, not weights: dropped (a head with
+    another draft vocabulary needs a new engine)."""
+    return (
+        Rule("d2t", None),
+        Rule("t2d", None),
+        Rule("fc.weight", "fc.kernel", transpose=_T),
+        Rule("midlayer.self_attn.*.weight", "midlayer.self_attn.*.kernel", transpose=_T),
+        Rule("midlayer.mlp.*.weight", "midlayer.mlp.*.kernel", transpose=_T),
+        Rule("midlayer.*.weight", "midlayer.*.scale"),
+        Rule("norm.weight", "norm.scale"),
+        Rule("lm_head.weight", "lm_head.kernel", transpose=_T),
+        Rule("embed_tokens.weight", "embed_tokens"),
+    )
+
+
 _NAMED = {
     "identity": identity,
     "hf": hf,
     "hf-strict": lambda: hf(tied_lm_head="error"),
     "hf-fused": hf_fused,
+    "eagle3-hf": eagle3_hf,
 }
 
 

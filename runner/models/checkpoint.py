@@ -195,6 +195,12 @@ def _dominant(tensor_dtypes: Mapping[str, str], tensors: Mapping[str, np.ndarray
 
 
 def _read_hf_dir(path: str) -> Checkpoint:
+    return read_hf_dir(path)
+
+
+def read_hf_dir(path: str) -> Checkpoint:
+    """config.json + every safetensors tensor of a directory, without checking them against any model
+    (draft heads reuse this)."""
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise FileNotFoundError(f"{path}: directory has no config.json (not a Hugging Face checkpoint)")
@@ -241,7 +247,8 @@ def _read_hf_dir(path: str) -> Checkpoint:
                       tensor_dtypes=tensor_dtypes, source="safetensors", path=path)
 
 
-_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+                       "I64": "int64", "I32": "int32", "BOOL": "bool"}  # integer/bool: EAGLE-3 vocab maps
 
 
 def _read_safetensors(file: str) -> dict[str, tuple[np.ndarray, str]]:

@@ -185,10 +185,20 @@ class LlamaForCausalLM(nnx.Module):
     def hidden_states(self, input_ids: Int[Array, "B S"], positions: Int[Array, "B S"],
                       attention_mask: Int[Array, "B S"] | None = None) -> Float[Array, "B S H"]:
         """Final-norm'd hidden states of a full-sequence causal forward."""
+        return self.hidden_states_with_aux(input_ids, positions, attention_mask)[0]
+
+    def hidden_states_with_aux(self, input_ids: Int[Array, "B S"], positions: Int[Array, "B S"],
+                               attention_mask: Int[Array, "B S"] | None = None, aux_layers: tuple[int, ...] = ()
+                               ) -> tuple[Float[Array, "B S H"], Float[Array, "B S A"]]:
+        """Final-norm'd hidden states and the residual stream entering each of `aux_layers`
+        (concatenated, `A = len(aux_layers) * H`; EAGLE-3's input features)."""
         x = self.embed(input_ids)
-        for layer in self.layers:
+        entering = {}
+        for i, layer in enumerate(self.layers):
+            if i in aux_layers:
+                entering[i] = x
             x = layer(x, positions, attention_mask)
-        return self.norm(x)
+        return self.norm(x), _concat_aux([entering[i] for i in aux_layers], x)
 
     def __call__(self, input_ids: Int[Array, "B S"], positions: Int[Array, "B S"],
                  attention_mask: Int[Array, "B S"] | None = None) -> Float[Array, "B S V"]:
@@ -196,11 +206,20 @@ class LlamaForCausalLM(nnx.Module):
         return self.compute_logits(self.hidden_states(input_ids, positions, attention_mask))
 
     def forward_paged(self, token_ids: Int[Array, "T"], positions: Int[Array, "T"], kv_caches: KVCaches,
-                      md: AttentionMetadata) -> tuple[Float[Array, "T H"], KVCaches]:
-        """One engine step over packed tokens: writes their K/V into the paged caches, returns final hidden."""
+                      md: AttentionMetadata, aux_layers: tuple[int, ...] = ()
+                      ) -> tuple[Float[Array, "T H"], KVCaches, Float[Array, "T A"]]:
+        """One engine step over packed tokens: writes their K/V into the paged caches, returns final
+        hidden, the new caches, and the residual stream entering each of `aux_layers` (`[T, 0]` if none)."""
         x = self.embed(token_ids)
         new_caches = []
-        for layer, kv_pages in zip(self.layers, kv_caches):
+        entering = {}
+        for i, (layer, kv_pages) in enumerate(zip(self.layers, kv_caches)):
+            if i in aux_layers:
+                entering[i] = x
             x, kv_pages = layer.paged(x, positions, kv_pages, md)
             new_caches.append(kv_pages)
-        return self.norm(x), tuple(new_caches)
+        return self.norm(x), tuple(new_caches), _concat_aux([entering[i] for i in aux_layers], x)
+
+
+def _concat_aux(aux: list[Array], like: Array) -> Array:
+    return jnp.concatenate(aux, axis=-1) if aux else jnp.zeros((*like.shape[:-1], 0), like.dtype)

@@ -1,0 +1,60 @@
+"""Training an EAGLE-3 head on the target's own outputs: features, labels and the loss.
+
+Labels are the target's greedy next token at every position (what exact verification accepts under
+greedy decoding). Head position p reads g_p and token p + 1 and is trained to predict the target's
+token after p + 1 (`labels[p + 1]`), at every training-time-test step (`dense_steps`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from runner.models.llama import LlamaForCausalLM
+from runner.spec_decode.eagle3 import Eagle3Head, dense_steps
+
+
+def target_features(target: LlamaForCausalLM, token_ids: Int[Array, "B S"], aux_layers: tuple[int, ...],
+                    attention_mask: Int[Array, "B S"] | None = None
+                    ) -> tuple[Float[Array, "B S A"], Int[Array, "B S"]]:
+    """The target's aux hidden states and greedy next-token labels over full sequences."""
+    positions = jnp.broadcast_to(jnp.arange(token_ids.shape[1]), token_ids.shape)
+    hidden, aux = target.hidden_states_with_aux(token_ids, positions, attention_mask, aux_layers)
+    return aux, jnp.argmax(target.compute_logits(hidden), axis=-1).astype(jnp.int32)
+
+
+def target_to_draft(head: Eagle3Head) -> np.ndarray:
+    """`[vocab]` draft id of every target id, -1 where the draft vocabulary lacks it."""
+    d2t = np.asarray(head.d2t[...], np.int64)
+    out = np.full(head.config.vocab_size, -1, np.int32)
+    out[d2t + np.arange(len(d2t))] = np.arange(len(d2t), dtype=np.int32)
+    return out
+
+
+def eagle3_loss(head: Eagle3Head, target: LlamaForCausalLM, aux: Float[Array, "B S A"], token_ids: Int[Array, "B S"],
+                labels: Int[Array, "B S"], mask: Float[Array, "B S"], t2d: Int[Array, "V"], num_steps: int
+                ) -> tuple[Float[Array, ""], Float[Array, "K"]]:
+    """Mean cross-entropy over `num_steps` training-time-test steps, and each step's top-1 accuracy.
+
+    `mask[b, p]` = 1 where token p is real; a position counts when tokens p + 1 exist and the label is
+    in the draft vocabulary.
+    """
+    batch, seq = token_ids.shape
+    positions = jnp.broadcast_to(jnp.arange(seq), token_ids.shape)
+    next_ids = jnp.pad(token_ids[:, 1:], ((0, 0), (0, 1)))
+    next_labels = jnp.pad(labels[:, 1:], ((0, 0), (0, 1)))
+    next_mask = jnp.pad(mask[:, 1:], ((0, 0), (0, 1)))
+    draft_labels = t2d[next_labels]
+    outs = dense_steps(head, target, head.fc(aux), next_ids, positions, num_steps)
+    losses, accs = [], []
+    for j, x in enumerate(outs):
+        logits = head.logits(target, x)
+        valid = (mask * next_mask * (draft_labels >= 0) * (positions >= j)).astype(jnp.float32)
+        lab = jnp.maximum(draft_labels, 0)
+        ce = jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, lab[..., None], axis=-1)[..., 0]
+        n = jnp.maximum(valid.sum(), 1.0)
+        losses.append((ce * valid).sum() / n)
+        accs.append(((jnp.argmax(logits, axis=-1) == lab) * valid).sum() / n)
+    return jnp.mean(jnp.stack(losses)), jnp.stack(accs)

@@ -1,0 +1,362 @@
+"""EAGLE-3 drafting: checkpoint layout, drafts against a numpy reference, exactness in the engine, sync.
+
+The tiny Llama of `tests/test_engine.py` is the target. Two heads: a random one (drafts are rarely
+accepted) and one trained here for a few seconds on the target's greedy outputs (drafts are often
+accepted, so the accept/rollback paths of verification run). Every draft the engine makes is
+checked against an independent numpy forward of the head over the sequence's full history: that
+covers the head's paged cache, which the engine fills after every prefill, decode and
+verification step (rejected positions included).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from rollout import Eagle3Config, Engine, SamplingParams
+from runner.compile_counter import num_compilations
+from runner.spec_decode.eagle3 import Eagle3Head
+from runner.spec_decode.eagle3_checkpoint import init_eagle3_head, load_eagle3_head, save_eagle3_head
+from runner.spec_decode.eagle3_train import eagle3_loss, target_features, target_to_draft
+from test_engine import CFG, ENGINE_KW, MAX_LEN, ByteTokenizer, make_model, rand_prompt
+from test_spec_decode import CASES, assert_same
+
+K = 3
+DRAFT_VOCAB = np.arange(2, 98)[::-1].copy()  # 96 of the 128 ids, reordered: d2t offsets are not trivial
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model()
+
+
+@pytest.fixture(scope="module")
+def plain(model) -> Engine:
+    return Engine.from_model(model, ByteTokenizer(), **ENGINE_KW)
+
+
+@pytest.fixture(scope="module")
+def random_head_dir(model, tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("eagle3_random"))
+    save_eagle3_head(init_eagle3_head(model, seed=3), path)
+    return path
+
+
+def prompts_for(seed: int, count: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rand_prompt(rng, int(rng.integers(4, 24))) for _ in range(count)]
+
+
+def train_head(model, plain: Engine, draft_vocab: np.ndarray | None, steps: int = 150) -> Eagle3Head:
+    """A head trained on the target's greedy continuations of random prompts (a few seconds)."""
+    outs = plain.generate(prompts_for(1, 48), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    seqs = [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
+    length = max(len(s) for s in seqs)
+    tokens = np.zeros((len(seqs), length), np.int32)
+    mask = np.zeros((len(seqs), length), np.float32)
+    for i, s in enumerate(seqs):
+        tokens[i, :len(s)], mask[i, :len(s)] = s, 1.0
+    head = init_eagle3_head(model, draft_vocab_ids=draft_vocab, seed=4)
+    aux, labels = target_features(model, jnp.asarray(tokens), head.config.aux_layer_ids, jnp.asarray(mask, jnp.int32))
+    t2d = jnp.asarray(target_to_draft(head))
+    opt = nnx.Optimizer(head, optax.adam(3e-3), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(head: Eagle3Head, opt: nnx.Optimizer) -> jax.Array:
+        def loss_fn(h: Eagle3Head) -> jax.Array:
+            return eagle3_loss(h, model, aux, jnp.asarray(tokens), labels, jnp.asarray(mask), t2d, K)[0]
+        loss, grads = nnx.value_and_grad(loss_fn)(head)
+        opt.update(head, grads)
+        return loss
+
+    first = float(step(head, opt))
+    for _ in range(steps):
+        last = float(step(head, opt))
+    assert last < 0.5 * first, (first, last)
+    return head
+
+
+@pytest.fixture(scope="module")
+def trained_head_dir(model, plain, tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("eagle3_trained"))
+    save_eagle3_head(train_head(model, plain, DRAFT_VOCAB), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def spec(model, trained_head_dir) -> Engine:
+    return Engine.from_model(model, ByteTokenizer(), **ENGINE_KW,
+                             speculative=Eagle3Config(trained_head_dir, k=K, auto_disable=False))
+
+
+# ---- an independent numpy reference of the head -------------------------------------------------
+
+def np_params(head: Eagle3Head) -> dict[str, np.ndarray]:
+    return {".".join(map(str, k)): np.asarray(v.value, np.float64) for k, v in nnx.to_flat_state(nnx.state(head))}
+
+
+def rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def rope(x: np.ndarray, pos: int, theta: float) -> np.ndarray:
+    d = x.shape[-1]
+    ang = pos / theta ** (np.arange(0, d, 2) / d)
+    cos, sin = np.cos(np.concatenate([ang, ang])), np.sin(np.concatenate([ang, ang]))
+    return x * cos + np.concatenate([-x[..., d // 2:], x[..., :d // 2]], axis=-1) * sin
+
+
+def reference_drafts(head: Eagle3Head, target, tokens: list[int], steps: int, forced: list[int] | None = None
+                     ) -> tuple[list[int], list[np.ndarray]]:
+    """Greedy drafts (target ids) after `tokens` (the last one not yet computed by the target), and
+    each step's layer output; `forced` feeds those tokens instead of the drafts (teacher forcing)."""
+    cfg, p = head.config, np_params(head)
+    eps, hd, nq, nkv = cfg.rms_norm_eps, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    c = len(tokens) - 1
+    aux, _ = target_features(target, jnp.asarray([tokens[:c]]), cfg.aux_layer_ids)
+    g = np.asarray(aux[0], np.float64) @ p["fc.kernel"]
+    emb = np.asarray(target.embed_tokens[...], np.float64)
+    target_out = emb.T if target.lm_head is None else np.asarray(target.lm_head.kernel[...], np.float64)
+    out_w = p["lm_head.kernel"] if cfg.has_lm_head else target_out
+    d2t = p["d2t"].astype(np.int64) if cfg.has_lm_head else np.zeros(cfg.vocab_size, np.int64)
+    m = "midlayer."
+
+    def layer(hidden: np.ndarray, tok: int, pos: int, keys: list, values: list) -> np.ndarray:
+        feats = np.concatenate([rms(emb[tok], p[m + "input_layernorm.scale"], eps),
+                                rms(hidden, p[m + "hidden_norm.scale"], eps)])
+        q = (feats @ p[m + "self_attn.q_proj.kernel"]).reshape(nq, hd)
+        keys.append(rope((feats @ p[m + "self_attn.k_proj.kernel"]).reshape(nkv, hd), pos, cfg.rope_theta))
+        values.append((feats @ p[m + "self_attn.v_proj.kernel"]).reshape(nkv, hd))
+        q = rope(q, pos, cfg.rope_theta)
+        kk, vv = np.stack(keys), np.stack(values)  # [n, Hkv, D]
+        o = np.zeros((nq, hd))
+        for h in range(nq):
+            s = kk[:, h // (nq // nkv)] @ q[h] / np.sqrt(hd)
+            w = np.exp(s - s.max())
+            o[h] = (w / w.sum()) @ vv[:, h // (nq // nkv)]
+        x = hidden + o.reshape(-1) @ p[m + "self_attn.o_proj.kernel"]
+        y = rms(x, p[m + "post_attention_layernorm.scale"], eps)
+        gate, up = y @ p[m + "mlp.gate_proj.kernel"], y @ p[m + "mlp.up_proj.kernel"]
+        return x + (gate / (1 + np.exp(-gate)) * up) @ p[m + "mlp.down_proj.kernel"]
+
+    keys: list[np.ndarray] = []
+    values: list[np.ndarray] = []
+    for pos in range(c - 1):  # the head's cache: (g_p, token p + 1) at every earlier position
+        layer(g[pos], tokens[pos + 1], pos, keys, values)
+    hidden, tok, drafts, outs = g[c - 1], tokens[c], [], []
+    for j in range(steps):
+        x = layer(hidden, tok, c - 1 + j, keys, values)
+        d = int(np.argmax(rms(x, p["norm.scale"], eps) @ out_w))
+        drafts.append(d + int(d2t[d]))
+        outs.append(x)
+        hidden, tok = x, (forced[j] if forced is not None and j < len(forced) else drafts[-1])
+    return drafts, outs
+
+
+def record_drafts(engine: Engine) -> list[tuple[list[int], list[int]]]:
+    """Wrap the engine's draft source: every (sequence history, drafts) pair it produces."""
+    log: list[tuple[list[int], list[int]]] = []
+    inner = engine.speculator.draft_fn
+
+    def recording(seqs, limits):
+        out = inner(seqs, [K] * len(seqs))
+        log.extend((list(s.token_ids), d.tolist()) for s, d in zip(seqs, out))
+        return [d[:max(lim, 0)] for d, lim in zip(out, limits)]
+
+    engine.speculator.draft_fn = recording
+    return log
+
+
+# ---- checkpoint layout ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("draft_vocab", [None, DRAFT_VOCAB], ids=["shared-lm-head", "draft-vocab"])
+def test_checkpoint_round_trip(model, tmp_path, draft_vocab) -> None:
+    head = init_eagle3_head(model, draft_vocab_ids=draft_vocab, seed=1)
+    save_eagle3_head(head, str(tmp_path))
+    loaded = load_eagle3_head(str(tmp_path), CFG)
+    a, b = nnx.state(head), nnx.state(loaded)
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    from safetensors.numpy import load_file
+    names = set(load_file(str(tmp_path / "model.safetensors")))
+    expected = {"fc.weight", "norm.weight", *(f"midlayer.{n}.weight" for n in (
+        "input_layernorm", "hidden_norm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
+        "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))}
+    if draft_vocab is not None:
+        expected |= {"lm_head.weight", "d2t", "t2d"}
+    assert names == expected
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert cfg["draft_vocab_size"] == (len(draft_vocab) if draft_vocab is not None else CFG.vocab_size)
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(head.config.aux_layer_ids)
+
+
+def test_checkpoint_errors_list_every_problem(model, tmp_path) -> None:
+    from safetensors.numpy import load_file, save_file
+    save_eagle3_head(init_eagle3_head(model, draft_vocab_ids=DRAFT_VOCAB), str(tmp_path))
+    file = str(tmp_path / "model.safetensors")
+    tensors = load_file(file)
+    del tensors["norm.weight"]
+    tensors["midlayer.extra.weight"] = np.zeros(3, np.float32)
+    tensors["fc.weight"] = tensors["fc.weight"][:, :5]
+    tensors["t2d"] = ~tensors["t2d"]
+    save_file(tensors, file)
+    with pytest.raises(ValueError) as err:
+        load_eagle3_head(str(tmp_path), CFG)
+    msg = str(err.value)
+    for part in ("'norm.scale' is not in the checkpoint", "'midlayer.extra.weight' matches no EAGLE-3 rule",
+                 "'fc.weight': shape", "'t2d' disagrees with 'd2t'"):
+        assert part in msg, msg
+    with pytest.raises(ValueError, match="outside the target's 2 layers"):
+        Engine.from_model(model, ByteTokenizer(), **ENGINE_KW,
+                          speculative=Eagle3Config(str(tmp_path), aux_layer_ids=(0, 1, 5)))
+    with pytest.raises(FileNotFoundError):
+        Engine.from_model(model, ByteTokenizer(), **ENGINE_KW, speculative=Eagle3Config(str(tmp_path / "nope")))
+    for bad in (dict(k=0), dict(verification="maybe"), dict(aux_layer_ids=(1, 2))):
+        with pytest.raises(ValueError):
+            Eagle3Config(str(tmp_path), **bad)
+
+
+# ---- drafts equal the numpy reference ---------------------------------------------------------------
+
+def test_engine_drafts_match_numpy_reference(model, trained_head_dir) -> None:
+    """Every draft of a batched generation (prefill, decode, verification with rejections, chunked
+    prompts) equals the numpy head over the sequence's history."""
+    engine = Engine.from_model(model, ByteTokenizer(), **ENGINE_KW,
+                               speculative=Eagle3Config(trained_head_dir, k=K, auto_disable=False))
+    log = record_drafts(engine)
+    prompts = prompts_for(5, 5) + [rand_prompt(np.random.default_rng(6), 80)]  # 80 tokens: a chunked prefill
+    engine.generate(prompts, SamplingParams(temperature=1.0, seed=2, max_tokens=20, ignore_eos=True))
+    head = engine.runner.drafter.head
+    assert len(log) > 20
+    rng = np.random.default_rng(0)
+    for i in rng.choice(len(log), 12, replace=False):
+        history, drafts = log[i]
+        assert drafts == reference_drafts(head, model, history, K)[0], (i, len(history))
+    s = engine.stats().speculative
+    assert 0 < s.accepted_tokens < s.drafted_tokens  # both accepted and rejected drafts happened
+
+
+def test_training_forward_matches_inference(model, trained_head_dir) -> None:
+    """`dense_steps` (training-time test) at anchor c - 1 equals the inference steps fed the same tokens."""
+    head = load_eagle3_head(trained_head_dir, CFG)
+    tokens = prompts_for(9, 1)[0] + [5, 9, 17, 33, 60]
+    aux, _ = target_features(model, jnp.asarray([tokens]), head.config.aux_layer_ids)
+    from runner.spec_decode.eagle3 import dense_steps
+    next_ids = jnp.asarray([tokens[1:] + [0]])
+    outs = dense_steps(head, model, head.fc(aux), next_ids, jnp.arange(len(tokens))[None], K)
+    c = len(tokens) - K - 1
+    _, ref = reference_drafts(head, model, tokens[:c + 1], K, forced=tokens[c + 1:c + K])
+    for j in range(K):
+        np.testing.assert_allclose(np.asarray(outs[j][0, c - 1 + j]), ref[j], rtol=2e-4, atol=2e-4)
+
+
+# ---- exactness in the engine ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", ["greedy", "t1.0", "logprobs_processed"])
+def test_eagle_equals_plain(plain: Engine, spec: Engine, case: str) -> None:
+    before = spec.stats().speculative
+    for batch_size in (1, 8, 32):
+        prompts = prompts_for(200 + batch_size, batch_size)
+        params = [SamplingParams(seed=i, max_tokens=24, ignore_eos=True, **CASES[case]) for i in range(batch_size)]
+        assert_same(plain.generate(prompts, params), spec.generate(prompts, params), logprobs="logprobs" in case)
+    after = spec.stats().speculative
+    assert after.accepted_tokens > before.accepted_tokens
+    assert after.num_disabled_steps == 0
+
+
+def test_eagle_with_preemption_and_rejection_mode(model, plain: Engine, trained_head_dir) -> None:
+    small = Engine.from_model(model, ByteTokenizer(), **ENGINE_KW, kv_cache_blocks=MAX_LEN // 16,
+                              speculative=Eagle3Config(trained_head_dir, k=K, auto_disable=False))
+    prompts = prompts_for(11, 6)
+    sp = SamplingParams(temperature=1.0, seed=3, max_tokens=48, logprobs=2, ignore_eos=True)
+    assert_same(plain.generate(prompts, sp), small.generate(prompts, sp), logprobs=True)
+    assert small.stats().num_preemptions > 0 and small.stats().speculative.accepted_tokens > 0
+    rejection = Engine.from_model(model, ByteTokenizer(), **ENGINE_KW, speculative=Eagle3Config(
+        trained_head_dir, k=K, auto_disable=False, verification="rejection"))
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, logprobs=1, ignore_eos=True)
+    assert_same(plain.generate(prompts, greedy), rejection.generate(prompts, greedy), logprobs=True)
+    assert rejection.stats().speculative.accepted_tokens > 0
+
+
+def test_trained_head_accepts_more_than_random(model, random_head_dir, spec: Engine) -> None:
+    prompts = prompts_for(300, 8)
+    sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    rand = Engine.from_model(model, ByteTokenizer(), **ENGINE_KW,
+                             speculative=Eagle3Config(random_head_dir, k=K, auto_disable=False))
+    rand.generate(prompts, sp)
+    before = spec.stats().speculative
+    spec.generate(prompts, sp)
+    after = spec.stats().speculative
+    trained_rate = (after.accepted_tokens - before.accepted_tokens) / (after.drafted_tokens - before.drafted_tokens)
+    assert trained_rate > 0.3 and trained_rate > 3 * rand.stats().speculative.acceptance_rate
+
+
+def test_no_compilation_after_warmup(model, trained_head_dir) -> None:
+    e = Engine.from_model(model, ByteTokenizer(), **ENGINE_KW, speculative=Eagle3Config(trained_head_dir, k=K))
+    e.warmup()
+    before = num_compilations()
+    e.generate(prompts_for(400, 1), SamplingParams(temperature=0.0, max_tokens=12))
+    e.generate(prompts_for(401, 13), SamplingParams(temperature=1.0, seed=1, logprobs=2, max_tokens=12))
+    assert num_compilations() - before == 0
+    assert e.stats().speculative.num_draft_steps > 0
+
+
+# ---- weight sync ----------------------------------------------------------------------------------
+
+def test_sync_weights_policy_and_draft_head(model, plain: Engine, trained_head_dir, random_head_dir) -> None:
+    """One call syncs the policy and new head weights (published layout); drafts then follow both
+    (the numpy reference with the new policy's embedding and the new head), outputs equal plain."""
+    a = Engine.from_model(model, ByteTokenizer(), **ENGINE_KW)
+    b = Engine.from_model(model, ByteTokenizer(), **ENGINE_KW,
+                          speculative=Eagle3Config(random_head_dir, k=K, auto_disable=False))
+    prompts = prompts_for(500, 4)
+    sp = SamplingParams(temperature=1.0, seed=9, max_tokens=24, logprobs=1, ignore_eos=True)
+    b.generate(prompts, sp)
+    rng = np.random.default_rng(1)
+    other = make_model()
+    state = nnx.state(other, nnx.Param)
+    nnx.update(other, jax.tree.map(lambda x: x + jnp.asarray(0.3 * rng.standard_normal(x.shape), x.dtype), state))
+    from safetensors.numpy import load_file
+    published = load_file(os.path.join(trained_head_dir, "model.safetensors"))
+    with pytest.raises(Exception, match="lm_head"):  # the random head shares the lm_head: no such target
+        b.sync_weights(nnx.state(other, nnx.Param), draft_params=published, draft_mapping="eagle3-hf")
+    assert b.policy_version is None  # nothing applied
+    shared = init_eagle3_head(other, seed=7)
+    published = _published(shared)
+    a.sync_weights(nnx.state(other, nnx.Param))
+    b.sync_weights(nnx.state(other, nnx.Param), draft_params=published, draft_mapping="eagle3-hf")
+    log = record_drafts(b)
+    assert_same(a.generate(prompts, sp), b.generate(prompts, sp), logprobs=True)
+    head = b.runner.drafter.head
+    assert np.array_equal(np.asarray(head.fc.kernel[...]), np.asarray(shared.fc.kernel[...]))
+    for history, drafts in log[:6]:
+        assert drafts == reference_drafts(shared, other, history, K)[0]
+    with pytest.raises(ValueError, match="no EAGLE-3 head"):
+        a.sync_weights(nnx.state(other, nnx.Param), draft_params=published, draft_mapping="eagle3-hf")
+
+
+def _published(head: Eagle3Head) -> dict[str, np.ndarray]:
+    import tempfile
+
+    from safetensors.numpy import load_file
+    with tempfile.TemporaryDirectory() as d:
+        save_eagle3_head(head, d)
+        return dict(load_file(os.path.join(d, "model.safetensors")))
+
+
+def test_stats_and_auto_disable(model, random_head_dir) -> None:
+    e = Engine.from_model(model, ByteTokenizer(), **ENGINE_KW, speculative=Eagle3Config(random_head_dir, k=K))
+    e.generate(prompts_for(600, 8), SamplingParams(temperature=1.0, seed=0, max_tokens=64, ignore_eos=True))
+    s = e.stats().speculative
+    assert s.num_draft_steps > 0 and s.num_disabled_steps > 0  # a random head does not pay: it turns off
+    assert s.drafted_tokens > 0 and s.mean_accepted_per_step >= 1.0
+    assert dataclasses.asdict(s)["acceptance_by_version"][None][0] == s.drafted_tokens
