@@ -156,6 +156,11 @@ def roofline_tokens_per_s(batch: int, bandwidth: float, flops: float) -> float:
     return min(bandwidth / WEIGHT_BYTES_PER_STEP * batch, flops / FLOPS_PER_TOKEN)
 
 
+def r1_prompt(i: int) -> str:
+    """Workload R1's prompt i (../shared/bench/WORKLOAD.md)."""
+    return f"Question {i}: Write a short paragraph about the number {i} and why it is interesting. Answer:"
+
+
 # ---- timing ----------------------------------------------------------------------------------
 def timed_median(fn: Callable[[], Any], repeats: int, *, before_each: Callable[[], None] | None = None,
                  warmup: bool = True) -> tuple[float, list[float], Any, int]:

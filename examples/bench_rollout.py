@@ -53,8 +53,7 @@ import bench_common as bc  # noqa: E402
 PREAMBLE = " ".join(f"Rule {k}: answer briefly, show each step, and check the arithmetic." for k in range(1, 25))
 
 
-def r1_prompt(i: int) -> str:
-    return f"Question {i}: Write a short paragraph about the number {i} and why it is interesting. Answer:"
+r1_prompt = bc.r1_prompt
 
 
 def r2_prompt(i: int) -> str:

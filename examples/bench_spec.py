@@ -9,9 +9,14 @@ of `--repeats` after `engine.warmup()` and one untimed warm-up call; the prefix 
 ratio, mean tokens emitted per sequence per verification step, the acceptance rate, the share of
 decode steps auto-disable skipped, and whether the outputs are identical token for token.
 
+EAGLE-3 (`--eagle DIR`, a head in the published layout, e.g. from `examples/train_eagle3.py`): the
+drafter is that head instead of n-gram lookup, on workload R1's ordinary prompts (`Question {i}: ...`,
+raw text, 128 new tokens with EOS ignored as in R1; `--workload r3` keeps the R3 prompts), default
+B = 1 and k = 3; `--sampling` adds a temperature-1 run (seed 0).
+
 Run: `python examples/bench_spec.py` (full), `--quick` (smoke test: B = 1, 32 tokens, 1 repeat),
-`--k 4`, `--batch-sizes 1,8`, `--repeats 3`, `--no-auto-disable`, `--json-out out.json`.
-Ends with one JSON line holding every figure.
+`--k 4`, `--batch-sizes 1,8`, `--repeats 3`, `--no-auto-disable`, `--json-out out.json`,
+`--eagle examples/results/eagle3-smollm2`. Ends with one JSON line holding every figure.
 """
 
 from __future__ import annotations
@@ -68,25 +73,34 @@ def prompt_ids(tok: Any, i: int, chat: bool) -> list[int]:
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smoke test: B = 1, 32 new tokens, 1 repeat")
-    ap.add_argument("--k", type=int, default=4, help="draft tokens per step (<= 7)")
+    ap.add_argument("--k", type=int, default=None, help="draft tokens per step (<= 7; default 4, EAGLE-3: 3)")
     ap.add_argument("--batch-sizes", default=None, help="comma-separated (default 1,8)")
     ap.add_argument("--repeats", type=int, default=None, help="timed calls per run, median reported (default 3)")
     ap.add_argument("--max-tokens", type=int, default=None, help="new tokens per sequence (default 128)")
     ap.add_argument("--no-chat", action="store_true", help="raw prompt text instead of the chat template")
     ap.add_argument("--no-auto-disable", action="store_true", help="draft on every decode step")
     ap.add_argument("--json-out", default=None, help="also write the final JSON line to this file")
+    ap.add_argument("--eagle", default=None, help="draft with this EAGLE-3 head directory instead of n-gram lookup")
+    ap.add_argument("--workload", choices=("r1", "r3"), default=None, help="prompts (default: r3; r1 with --eagle)")
+    ap.add_argument("--sampling", action="store_true", help="also run temperature 1.0 (seed 0)")
     args = ap.parse_args()
-    args.batch_sizes = [int(b) for b in (args.batch_sizes or ("1" if args.quick else "1,8")).split(",")]
+    default_batches = "1" if args.quick or args.eagle else "1,8"
+    args.batch_sizes = [int(b) for b in (args.batch_sizes or default_batches).split(",")]
     args.repeats = args.repeats or (1 if args.quick else 3)
     args.max_tokens = args.max_tokens or (32 if args.quick else 128)
+    args.workload = args.workload or ("r1" if args.eagle else "r3")
+    args.k = args.k or (3 if args.eagle else 4)
     return args
 
 
 def main() -> None:
     args = parse_args()
-    from rollout import Engine, NgramConfig, SamplingParams
+    from rollout import Eagle3Config, Engine, NgramConfig, SamplingParams
 
-    spec_cfg = NgramConfig(k=args.k, prompt_lookup_min=1, prompt_lookup_max=3, auto_disable=not args.no_auto_disable)
+    if args.eagle:
+        spec_cfg = Eagle3Config(args.eagle, k=args.k, auto_disable=not args.no_auto_disable)
+    else:
+        spec_cfg = NgramConfig(k=args.k, prompt_lookup_min=1, prompt_lookup_max=3, auto_disable=not args.no_auto_disable)
     kw = dict(max_num_seqs=max(args.batch_sizes), max_model_len=512)
     plain = Engine.from_pretrained(None, **kw)
     spec = Engine.from_model(plain.model, plain.tokenizer, **kw, speculative=spec_cfg)
@@ -95,14 +109,20 @@ def main() -> None:
     # call of the same prompts does not compile them all (a compile inside a timed call costs seconds).
     for engine in (plain, spec):
         engine.warmup()
-    sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    print(f"R3 speculative decoding: k={args.k}, auto_disable={spec_cfg.auto_disable}, chat={not args.no_chat}, "
-          f"{args.max_tokens} new tokens, median of {args.repeats}; {bc.cpu_settings()}")
+    r1 = args.workload == "r1"
+    modes = [("greedy", dict(temperature=0.0))] + ([("t1.0", dict(temperature=1.0, seed=0))] if args.sampling else [])
+    drafter = f"EAGLE-3 {args.eagle}" if args.eagle else "n-gram"
+    print(f"{args.workload.upper()} speculative decoding ({drafter}): k={args.k}, auto_disable={spec_cfg.auto_disable}, "
+          f"chat={not args.no_chat and not r1}, {args.max_tokens} new tokens, median of {args.repeats}; "
+          f"{bc.cpu_settings()}")
 
     rows, runs = [], []
-    for batch in args.batch_sizes:
-        prompts = [prompt_ids(tok, i, not args.no_chat) for i in range(batch)]
-        result: dict[str, Any] = dict(batch=batch, prompt_tokens=[len(p) for p in prompts])
+    for batch, (mode, sp_kw) in [(b, m) for b in args.batch_sizes for m in modes]:
+        # R1: exactly max_tokens new tokens (EOS ignored); R3: a sequence may stop at EOS
+        sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=r1, **sp_kw)
+        prompts = ([tok.encode(bc.r1_prompt(i)) for i in range(batch)] if r1
+                   else [prompt_ids(tok, i, not args.no_chat) for i in range(batch)])
+        result: dict[str, Any] = dict(batch=batch, mode=mode, prompt_tokens=[len(p) for p in prompts])
         outs = {}
         for name, engine in (("plain", plain), ("spec", spec)):
             engine.block_manager.invalidate_prefix_cache()
@@ -134,15 +154,15 @@ def main() -> None:
         result["ratio"] = result["spec_tok_s"] / result["plain_tok_s"]
         result["identical"] = outs["plain"] == outs["spec"]
         runs.append(result)
-        rows.append([batch, result["new_tokens"], f"{result['plain_tok_s']:.1f}", f"{result['spec_tok_s']:.1f}",
+        rows.append([batch, mode, result["new_tokens"], f"{result['plain_tok_s']:.1f}", f"{result['spec_tok_s']:.1f}",
                      f"{result['ratio']:.2f}x", f"{result['mean_accepted_per_step']:.2f}",
                      f"{result['acceptance_rate']:.2f}", f"{result['disabled_share']:.2f}", result["identical"]])
         if batch == args.batch_sizes[0]:
             print("sample output:", repr(tok.decode(outs["spec"][0])[:200]))
 
-    bc.print_table(["B", "new tokens", "plain tok/s", "spec tok/s", "ratio", "tokens/step", "accept rate",
+    bc.print_table(["B", "mode", "new tokens", "plain tok/s", "spec tok/s", "ratio", "tokens/step", "accept rate",
                     "disabled", "identical"], rows)
-    print(bc.json_line(dict(bench="spec-R3", k=args.k, auto_disable=spec_cfg.auto_disable, chat=not args.no_chat,
+    print(bc.json_line(dict(bench=f"spec-{args.workload.upper()}", drafter=drafter, k=args.k, auto_disable=spec_cfg.auto_disable, chat=not args.no_chat,
                             max_tokens=args.max_tokens, repeats=args.repeats, runs=runs,
                             all_identical=all(r["identical"] for r in runs)), args.json_out))
 

@@ -169,6 +169,11 @@ def init_eagle3_head(target: LlamaForCausalLM, *, draft_vocab_ids: np.ndarray | 
         out = target.embed_tokens[...] if target.lm_head is None else target.lm_head.kernel[...].T  # [V, H]
         head.lm_head.kernel.value = jnp.asarray(out)[ids].T.astype(head.lm_head.kernel.value.dtype)
         head.d2t.value = jnp.asarray(d2t, jnp.int32)
-    # The head's norm starts as the target's final norm: its lm_head reads the same kind of features.
+    # Start from the target's view: fc passes the highest aux layer's features through unchanged and
+    # the head's norm is the target's final norm, so its lm_head reads the kind of features it expects.
+    h = cfg.hidden_size
+    fc = np.asarray(head.fc.kernel[...]).copy()
+    fc[2 * h:] += np.eye(h, dtype=fc.dtype)
+    head.fc.kernel.value = jnp.asarray(fc)
     head.norm.scale.value = jnp.array(target.norm.scale[...], copy=True)
     return head
