@@ -162,7 +162,7 @@ def main() -> None:
 
     bc.print_table(["B", "mode", "new tokens", "plain tok/s", "spec tok/s", "ratio", "tokens/step", "accept rate",
                     "disabled", "identical"], rows)
-    print(bc.json_line(dict(bench=f"spec-{args.workload.upper()}", drafter=drafter, k=args.k, auto_disable=spec_cfg.auto_disable, chat=not args.no_chat,
+    print(bc.json_line(dict(bench=f"spec-{args.workload.upper()}", drafter=drafter, k=args.k, auto_disable=spec_cfg.auto_disable, chat=not args.no_chat and not r1,
                             max_tokens=args.max_tokens, repeats=args.repeats, runs=runs,
                             all_identical=all(r["identical"] for r in runs)), args.json_out))
 

@@ -65,7 +65,8 @@ def train_head(model, plain: Engine, draft_vocab: np.ndarray | None, steps: int 
     for i, s in enumerate(seqs):
         tokens[i, :len(s)], mask[i, :len(s)] = s, 1.0
     head = init_eagle3_head(model, draft_vocab_ids=draft_vocab, seed=4)
-    aux, labels = target_features(model, jnp.asarray(tokens), head.config.aux_layer_ids, jnp.asarray(mask, jnp.int32))
+    aux, labels, _ = target_features(model, jnp.asarray(tokens), head.config.aux_layer_ids,
+                                     jnp.asarray(mask, jnp.int32))
     t2d = jnp.asarray(target_to_draft(head))
     opt = nnx.Optimizer(head, optax.adam(3e-3), wrt=nnx.Param)
 
@@ -121,7 +122,7 @@ def reference_drafts(head: Eagle3Head, target, tokens: list[int], steps: int, fo
     cfg, p = head.config, np_params(head)
     eps, hd, nq, nkv = cfg.rms_norm_eps, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     c = len(tokens) - 1
-    aux, _ = target_features(target, jnp.asarray([tokens[:c]]), cfg.aux_layer_ids)
+    aux, _, _ = target_features(target, jnp.asarray([tokens[:c]]), cfg.aux_layer_ids)
     g = np.asarray(aux[0], np.float64) @ p["fc.kernel"]
     emb = np.asarray(target.embed_tokens[...], np.float64)
     target_out = emb.T if target.lm_head is None else np.asarray(target.lm_head.kernel[...], np.float64)
@@ -249,7 +250,7 @@ def test_training_forward_matches_inference(model, trained_head_dir) -> None:
     """`dense_steps` (training-time test) at anchor c - 1 equals the inference steps fed the same tokens."""
     head = load_eagle3_head(trained_head_dir, CFG)
     tokens = prompts_for(9, 1)[0] + [5, 9, 17, 33, 60]
-    aux, _ = target_features(model, jnp.asarray([tokens]), head.config.aux_layer_ids)
+    aux, _, _ = target_features(model, jnp.asarray([tokens]), head.config.aux_layer_ids)
     from runner.spec_decode.eagle3 import dense_steps
     next_ids = jnp.asarray([tokens[1:] + [0]])
     outs = dense_steps(head, model, head.fc(aux), next_ids, jnp.arange(len(tokens))[None], K)

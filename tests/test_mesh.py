@@ -169,3 +169,22 @@ def _hf_config_json(cfg: ModelConfig) -> str:
         num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
         rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_word_embeddings, max_position_embeddings=256))
+
+
+@pytest.mark.parametrize("mesh", [(2, 2), (1, 4)], ids=str)
+def test_eagle3_drafting_on_a_mesh_equals_single_device(setup: tuple, mesh: tuple[int, int], tmp_path) -> None:
+    """The EAGLE-3 head's cache and draft program over data-parallel replicas and a model axis."""
+    from rollout import Eagle3Config
+    from runner.spec_decode.eagle3_checkpoint import init_eagle3_head, save_eagle3_head
+
+    model, prompts, ref = setup
+    save_eagle3_head(init_eagle3_head(model, draft_vocab_ids=np.arange(90)[::-1], seed=1), str(tmp_path))
+    engine = Engine.from_model(model, IdTokenizer(), mesh=mesh, **KW,
+                               speculative=Eagle3Config(str(tmp_path), k=3, auto_disable=False))
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=12, logprobs=0))
+    for a, b in zip(outs, ref):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        lp_a = np.array([t.logprob for t in a.outputs[0].logprobs])
+        lp_b = np.array([t.logprob for t in b.outputs[0].logprobs])
+        np.testing.assert_allclose(lp_a, lp_b, atol=1e-5)
+    assert engine.stats().speculative.drafted_tokens > 0

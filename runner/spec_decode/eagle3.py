@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from runner.attention import MASK_VALUE, AttentionMetadata, ragged_paged_attention, write_kv
+from runner.attention import MASK_VALUE, ragged_paged_attention, write_kv
 from runner.models.config import ModelConfig, RopeScaling
 from runner.models.llama import MLP, Linear, LlamaForCausalLM, RMSNorm, apply_rope, rope_inv_freq
 from runner.spec_decode.eagle3_config import Eagle3Config  # noqa: F401  (re-exported)
