@@ -361,3 +361,31 @@ def test_stats_and_auto_disable(model, random_head_dir) -> None:
     assert s.num_draft_steps > 0 and s.num_disabled_steps > 0  # a random head does not pay: it turns off
     assert s.drafted_tokens > 0 and s.mean_accepted_per_step >= 1.0
     assert dataclasses.asdict(s)["acceptance_by_version"][None][0] == s.drafted_tokens
+
+
+def test_soft_label_loss_and_fixed_lm_head(model) -> None:
+    """The training script's loss: soft targets are the target's distribution over the draft vocabulary
+    (checked by hand at one position), and `train_lm_head=False` leaves no gradient on the lm_head."""
+    head = init_eagle3_head(model, draft_vocab_ids=DRAFT_VOCAB, seed=2)
+    tokens = jnp.asarray(prompts_for(700, 1)[0][:12])[None]
+    mask = jnp.ones(tokens.shape, jnp.float32)
+    aux, labels, hidden = target_features(model, tokens, head.config.aux_layer_ids)
+    t2d = jnp.asarray(target_to_draft(head))
+    loss_fn = lambda h: eagle3_loss(h, model, aux, tokens, labels, mask, t2d, 1, target_hidden=hidden,  # noqa: E731
+                                    train_lm_head=False)[0]
+    loss, grads = nnx.value_and_grad(loss_fn)(head)
+    assert np.isfinite(float(loss))
+    assert float(jnp.abs(grads.lm_head.kernel[...]).max()) == 0.0
+    assert float(jnp.abs(grads.fc.kernel[...]).max()) > 0.0
+    # by hand: position 0 of step 0 predicts the target's distribution at position 1 over the draft ids
+    from runner.spec_decode.eagle3 import dense_steps
+    x = dense_steps(head, model, head.fc(aux), jnp.pad(tokens[:, 1:], ((0, 0), (0, 1))),
+                    jnp.arange(tokens.shape[1])[None], 1)[0]
+    logp = jax.nn.log_softmax(head.logits(model, x)[0], axis=-1)
+    target_logits = np.asarray(model.compute_logits(hidden)[0])[:, DRAFT_VOCAB]
+    p = np.exp(target_logits - target_logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    ce = -(p[1:] * np.asarray(logp[:-1])).sum(-1)  # positions 0..S-2 ...
+    counted = np.asarray(t2d)[np.asarray(labels[0, 1:])] >= 0  # ... whose greedy label the draft vocab has
+    assert 0 < counted.sum() < len(counted)
+    np.testing.assert_allclose(float(loss), ce[counted].mean(), rtol=1e-4)
