@@ -85,7 +85,7 @@ def main() -> None:
 
     from rollout import Eagle3Config, Engine, SamplingParams
     from runner.spec_decode.eagle3_checkpoint import init_eagle3_head, save_eagle3_head
-    from runner.spec_decode.eagle3_train import eagle3_loss, target_features, target_to_draft
+    from runner.spec_decode.eagle3_train import eagle3_loss, pack_sequences, target_features, target_to_draft
 
     t_start = time.perf_counter()
     engine = Engine.from_pretrained(None, max_num_seqs=64, max_model_len=512)
@@ -99,11 +99,7 @@ def main() -> None:
                              max_tokens=args.max_tokens, ignore_eos=True) for i in range(len(train_prompts))]
     outs = engine.generate(train_prompts, params)
     seqs = [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
-    length = max(len(s) for s in seqs)
-    tokens = np.zeros((len(seqs), length), np.int32)
-    mask = np.zeros((len(seqs), length), np.float32)
-    for i, s in enumerate(seqs):
-        tokens[i, :len(s)], mask[i, :len(s)] = s, 1.0
+    tokens, mask = pack_sequences(seqs)
     t_generated = time.perf_counter()
 
     # 2. features and labels, a few sequences at a time

@@ -25,7 +25,7 @@ from rollout import Eagle3Config, Engine, SamplingParams
 from runner.compile_counter import num_compilations
 from runner.spec_decode.eagle3 import Eagle3Head
 from runner.spec_decode.eagle3_checkpoint import init_eagle3_head, load_eagle3_head, save_eagle3_head
-from runner.spec_decode.eagle3_train import eagle3_loss, target_features, target_to_draft
+from runner.spec_decode.eagle3_train import eagle3_loss, pack_sequences, target_features, target_to_draft
 from test_engine import CFG, ENGINE_KW, MAX_LEN, ByteTokenizer, make_model, rand_prompt
 from test_spec_decode import CASES, assert_same
 
@@ -59,11 +59,7 @@ def train_head(model, plain: Engine, draft_vocab: np.ndarray | None, steps: int 
     """A head trained on the target's greedy continuations of random prompts (a few seconds)."""
     outs = plain.generate(prompts_for(1, 48), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
     seqs = [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
-    length = max(len(s) for s in seqs)
-    tokens = np.zeros((len(seqs), length), np.int32)
-    mask = np.zeros((len(seqs), length), np.float32)
-    for i, s in enumerate(seqs):
-        tokens[i, :len(s)], mask[i, :len(s)] = s, 1.0
+    tokens, mask = pack_sequences(seqs)
     head = init_eagle3_head(model, draft_vocab_ids=draft_vocab, seed=4)
     aux, labels, _ = target_features(model, jnp.asarray(tokens), head.config.aux_layer_ids,
                                      jnp.asarray(mask, jnp.int32))

@@ -29,16 +29,20 @@ def setup() -> tuple[LlamaForCausalLM, list[list[int]], list]:
     return model, prompts, ref
 
 
-@pytest.mark.parametrize("mesh", [(1, 2), (1, 4), (2, 2), (8, 1)], ids=str)
-def test_mesh_outputs_equal_single_device(setup: tuple, mesh: tuple[int, int]) -> None:
-    model, prompts, ref = setup
-    engine = Engine.from_model(model, IdTokenizer(), mesh=mesh, **KW)
-    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=12, logprobs=0))
+def assert_same_as_single_device(outs: list, ref: list) -> None:
     for a, b in zip(outs, ref):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         lp_a = np.array([t.logprob for t in a.outputs[0].logprobs])
         lp_b = np.array([t.logprob for t in b.outputs[0].logprobs])
         np.testing.assert_allclose(lp_a, lp_b, atol=1e-5)
+
+
+@pytest.mark.parametrize("mesh", [(1, 2), (1, 4), (2, 2), (8, 1)], ids=str)
+def test_mesh_outputs_equal_single_device(setup: tuple, mesh: tuple[int, int]) -> None:
+    model, prompts, ref = setup
+    engine = Engine.from_model(model, IdTokenizer(), mesh=mesh, **KW)
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=12, logprobs=0))
+    assert_same_as_single_device(outs, ref)
 
 
 def test_tensor_parallel_memory_is_a_quarter(setup: tuple) -> None:
@@ -182,9 +186,5 @@ def test_eagle3_drafting_on_a_mesh_equals_single_device(setup: tuple, mesh: tupl
     engine = Engine.from_model(model, IdTokenizer(), mesh=mesh, **KW,
                                speculative=Eagle3Config(str(tmp_path), k=3, auto_disable=False))
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=12, logprobs=0))
-    for a, b in zip(outs, ref):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        lp_a = np.array([t.logprob for t in a.outputs[0].logprobs])
-        lp_b = np.array([t.logprob for t in b.outputs[0].logprobs])
-        np.testing.assert_allclose(lp_a, lp_b, atol=1e-5)
+    assert_same_as_single_device(outs, ref)
     assert engine.stats().speculative.drafted_tokens > 0

@@ -47,9 +47,9 @@ HF_RULES: tuple[NameRule, ...] = (
 IGNORED_HF = (re.compile(r".*rotary_emb\.inv_freq"),)
 
 
-def map_hf_name(name: str) -> tuple[str, bool] | None:
+def map_hf_name(name: str, rules: tuple[NameRule, ...] = HF_RULES) -> tuple[str, bool] | None:
     """The model path and transpose flag for one HF tensor name, or None when no rule matches."""
-    for rule in HF_RULES:
+    for rule in rules:
         m = re.fullmatch(rule.hf, name)
         if m:
             return rule.target.format(*m.groups()), rule.transpose

@@ -24,7 +24,7 @@ from flax import nnx
 from runner.models.checkpoint import read_hf_dir
 from runner.models.config import ModelConfig
 from runner.models.llama import LlamaForCausalLM
-from runner.models.loader import NameRule
+from runner.models.loader import NameRule, map_hf_name
 from runner.spec_decode.eagle3 import Eagle3Head, Eagle3HeadConfig, vocab_maps
 
 EAGLE3_RULES: tuple[NameRule, ...] = (
@@ -42,14 +42,6 @@ VOCAB_MAPS = ("d2t", "t2d")
 
 def _path(key: tuple) -> str:
     return ".".join(str(k) for k in key)
-
-
-def _target_name(name: str) -> tuple[str, bool] | None:
-    for rule in EAGLE3_RULES:
-        m = re.fullmatch(rule.hf, name)
-        if m:
-            return rule.target.format(*m.groups()), rule.transpose
-    return None
 
 
 def load_eagle3_head(path: str, target: ModelConfig, *, aux_layer_ids: tuple[int, ...] | None = None
@@ -70,7 +62,7 @@ def load_eagle3_head(path: str, target: ModelConfig, *, aux_layer_ids: tuple[int
     for name, array in tensors.items():
         if name in VOCAB_MAPS:
             continue
-        mapped = _target_name(name)
+        mapped = map_hf_name(name, EAGLE3_RULES)
         if mapped is None:
             problems.append(f"tensor {name!r} matches no EAGLE-3 rule")
             continue
@@ -145,7 +137,7 @@ def save_eagle3_head(head: Eagle3Head, path: str) -> None:
     tensors: dict[str, np.ndarray] = {}
     for key, arr in by_target.items():
         name = re.sub(r"\.(kernel|scale)$", ".weight", key) if key != "embed_tokens" else "embed_tokens.weight"
-        assert _target_name(name) == (key, key.endswith(".kernel")), f"{key} has no published name"
+        assert map_hf_name(name, EAGLE3_RULES) == (key, key.endswith(".kernel")), f"{key} has no published name"
         tensors[name] = np.ascontiguousarray((arr.T if key.endswith(".kernel") else arr).astype(np.float32))
     if cfg.has_lm_head:
         d2t = np.asarray(head.d2t[...], np.int64)

@@ -16,6 +16,16 @@ from runner.models.llama import LlamaForCausalLM
 from runner.spec_decode.eagle3 import Eagle3Head, dense_steps
 
 
+def pack_sequences(seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids `[B, S]` (zero-padded to the longest) and the float mask of real tokens."""
+    length = max(len(s) for s in seqs)
+    tokens = np.zeros((len(seqs), length), np.int32)
+    mask = np.zeros((len(seqs), length), np.float32)
+    for i, s in enumerate(seqs):
+        tokens[i, :len(s)], mask[i, :len(s)] = s, 1.0
+    return tokens, mask
+
+
 def target_features(target: LlamaForCausalLM, token_ids: Int[Array, "B S"], aux_layers: tuple[int, ...],
                     attention_mask: Int[Array, "B S"] | None = None
                     ) -> tuple[Float[Array, "B S A"], Int[Array, "B S"], Float[Array, "B S H"]]:
