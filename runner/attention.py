@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+MULTIPLY_REDUCE_MAX_ROWS = 24  # query rows per (sequence, KV head) up to which scores skip the dot
 
 
 @jax.tree_util.register_dataclass
@@ -145,13 +146,29 @@ def ragged_paged_attention(
     q = (q.astype(jnp.float32) * sm_scale).astype(queries.dtype).reshape(num_kv_heads, num_rows, rows, head_dim)
     q_pos = jnp.tile((kv_lens - q_lens)[:, None] + q_offsets[None, :], (1, group))  # [S, rows] absolute position
 
+    # Per KV head, the cache viewed as rows of one page: `[2 * P, page * D]` (K rows, then V rows).
+    # Gathering whole rows of that 2-D view is faster on XLA:CPU than `take` along axis 1 of
+    # `kv_pages[i]`; vmapping over the head axis (not flattening it) keeps a KV-head-sharded cache
+    # sharded (a reshape across that axis would make GSPMD all-gather the whole cache).
+    total_pages = kv_pages.shape[2]
+
+    def gather_head(head_pages: Array, idx: Array) -> tuple[Array, Array]:  # [2, P, page, D], [S, chunk]
+        rows = head_pages.reshape(2 * total_pages, page_size * head_dim)
+        k = jnp.take(rows, idx.reshape(-1), axis=0, mode="clip").reshape(num_rows, chunk_tokens, head_dim)
+        v = jnp.take(rows, (idx + total_pages).reshape(-1), axis=0, mode="clip").reshape(num_rows, chunk_tokens, head_dim)
+        return k, v
+
+    # Few query rows (decode, verification): multiply-reduce forms fuse on XLA:CPU and beat tiny batched dots.
+    multiply_reduce = rows <= MULTIPLY_REDUCE_MAX_ROWS
+
     def body(carry: tuple[Array, Array, Array, Array]) -> tuple[Array, Array, Array, Array]:
         c, m, l, acc = carry
         idx = jax.lax.dynamic_slice_in_dim(page_indices, c * chunk, chunk, axis=1)
-        # Two gathers (not one of both and then slices): XLA would copy each slice out again.
-        k = jnp.take(kv_pages[0], idx, axis=1, mode="clip").reshape(num_kv_heads, num_rows, chunk_tokens, head_dim)
-        v = jnp.take(kv_pages[1], idx, axis=1, mode="clip").reshape(num_kv_heads, num_rows, chunk_tokens, head_dim)
-        s = jnp.einsum("hsrd,hskd->hsrk", q, k, preferred_element_type=jnp.float32)
+        k, v = jax.vmap(gather_head, in_axes=(1, None))(kv_pages, idx)  # [Hkv, S, chunk_tokens, D] each
+        if multiply_reduce:
+            s = jnp.sum(q[:, :, :, None, :].astype(jnp.float32) * k[:, :, None, :, :], axis=-1)
+        else:
+            s = jnp.einsum("hsrd,hskd->hsrk", q, k, preferred_element_type=jnp.float32)
         k_pos = c * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32)
         mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < kv_lens[:, None, None])
         s = jnp.where(mask[None], s, MASK_VALUE)
@@ -159,7 +176,10 @@ def ragged_paged_attention(
         alpha = jnp.exp(m - m_new)
         p = jnp.where(mask[None], jnp.exp(s - m_new[..., None]), 0.0)
         l = l * alpha + jnp.sum(p, axis=-1)
-        pv = jnp.einsum("hsrk,hskd->hsrd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        if multiply_reduce:
+            pv = jnp.sum(p[..., None] * v[:, :, None, :, :].astype(jnp.float32), axis=-2)
+        else:
+            pv = jnp.einsum("hsrk,hskd->hsrd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
         return c + 1, m_new, l, acc * alpha[..., None] + pv
 
     stats_shape = (num_kv_heads, num_rows, rows)

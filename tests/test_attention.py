@@ -123,3 +123,28 @@ def test_write_kv_updates_the_cache_in_place(num_tokens: int) -> None:
     copies = [line.strip() for line in hlo.splitlines() if " copy(" in line
               and math.prod(int(x) for x in re.search(r"f32\[([\d,]*)\]", line).group(1).split(",") if x) == cache_elems]
     assert not copies, copies
+
+
+def test_kv_head_sharded_cache_is_never_gathered() -> None:
+    """With the cache sharded by KV head (tensor parallel), attention runs on each device's heads:
+    no collective in the compiled program (flattening the head axis into the page rows made GSPMD
+    all-gather the whole cache every layer, silently)."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    q_lens, kv_lens = [1, 1, 1], [5, 17, 24]
+    queries, kv, tables = random_case(3, q_lens, kv_lens, width=6)
+    mesh = Mesh(np.asarray(jax.devices()[:HKV]), ("model",))
+    kv_sharded = jax.device_put(kv, NamedSharding(mesh, PartitionSpec(None, "model")))
+    q_sharded = jax.device_put(queries, NamedSharding(mesh, PartitionSpec(None, "model")))
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+
+    def attend(q: jax.Array, cache: jax.Array) -> jax.Array:
+        return ragged_paged_attention(q, cache, jnp.asarray(kv_lens, jnp.int32), jnp.asarray(tables), jnp.asarray(cu),
+                                      jnp.asarray([3], jnp.int32), sm_scale=0.3, max_q_len=1)
+
+    compiled = jax.jit(attend).lower(q_sharded, kv_sharded).compile()
+    collectives = re.findall(r"all-gather|all-to-all|collective-permute|all-reduce", compiled.as_text())
+    assert not collectives, collectives
+    out = np.asarray(compiled(q_sharded, kv_sharded))
+    np.testing.assert_allclose(out, reference(queries, kv, q_lens, kv_lens, tables, 0.3), atol=2e-5)
