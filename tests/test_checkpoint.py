@@ -24,6 +24,7 @@ from runner.models.checkpoint import (
     read_checkpoint,
     reverse_llama_permute,
 )
+from runner.models.torch_checkpoint import read_torch_state_dict
 from tests.reference_numpy import numpy_forward
 
 # ---------------------------------------------------------------------------------------------
@@ -112,6 +113,88 @@ def test_hf_bfloat16_is_exact(tmp_path: Path) -> None:
     for k, v in model.state_dict().items():
         assert isinstance(ckpt.tensors[k], np.memmap), "safetensors weights stay memory-mapped until sliced"
         np.testing.assert_array_equal(ckpt.tensors[k].astype(np.float32), v.float().numpy(), err_msg=k)
+
+
+# ---------------------------------------------------------------------------------------------
+# PyTorch `pytorch_model.bin` files, read without torch
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_pytorch_bin_directory_matches_transformers(sharded: bool, tmp_path: Path) -> None:
+    import torch
+
+    model = _make_hf_model("llama_llama3_rope", seed=5)
+    model.config.save_pretrained(tmp_path)
+    sd = model.state_dict()
+    if sharded:  # the layout of `pytorch_model.bin.index.json` releases
+        names = sorted(sd)
+        parts = {"pytorch_model-00001-of-00002.bin": names[::2], "pytorch_model-00002-of-00002.bin": names[1::2]}
+        for file, keys in parts.items():
+            torch.save({k: sd[k] for k in keys}, tmp_path / file)
+        weight_map = {k: file for file, keys in parts.items() for k in keys}
+        (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    else:
+        torch.save(sd, tmp_path / "pytorch_model.bin")
+    ckpt = read_checkpoint(str(tmp_path))
+    assert ckpt.source == "pytorch" and ckpt.dtype == "float32"
+    assert set(ckpt.tensors) == set(sd)
+    for k, v in _state_dict(model).items():
+        np.testing.assert_array_equal(ckpt.tensors[k], v, err_msg=k)
+    ids = np.random.default_rng(1).integers(0, model.config.vocab_size, size=(2, 9))
+    np.testing.assert_allclose(numpy_forward(ckpt.hf_config, ckpt.tensors, ids), _torch_logits(model, ids),
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_torch_state_dict_dtypes_views_and_shared_storage(tmp_path: Path) -> None:
+    import torch
+
+    torch.manual_seed(0)
+    big = torch.randn(6, 5)
+    sd = {
+        "f32": torch.randn(3, 4), "f16": torch.randn(7).half(), "bf16": torch.randn(2, 3).bfloat16(),
+        "f64": torch.randn(2).double(), "i64": torch.arange(-3, 9), "i32": torch.arange(5, dtype=torch.int32),
+        "bool": torch.tensor([True, False, True]), "u8": torch.arange(4, dtype=torch.uint8),
+        "transposed": big.t(), "offset_slice": big[2:4, 1:], "same_storage": big,
+        "param": torch.nn.Parameter(torch.randn(2, 2)), "scalar": torch.tensor(1.5), "empty": torch.zeros(0, 3),
+    }
+    file = tmp_path / "w.bin"
+    torch.save(sd, file)
+    out = read_torch_state_dict(str(file))
+    assert set(out) == set(sd)
+    for k, t in sd.items():
+        arr, dtype = out[k]
+        assert dtype == str(t.dtype).removeprefix("torch."), k
+        ref = t.detach().float().numpy() if t.dtype == torch.bfloat16 else t.detach().numpy()
+        assert arr.shape == ref.shape and arr.flags.c_contiguous, k
+        np.testing.assert_array_equal(arr.astype(ref.dtype), ref, err_msg=k)
+
+
+class _RunsCode:
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return os.system, ("touch pwned",)
+
+
+def test_torch_pickle_refuses_other_globals(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pickle naming anything but a state dict's own globals is refused before it runs."""
+    import pickle
+    import zipfile
+
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    good = tmp_path / "good.bin"
+    torch.save({"w": torch.ones(2)}, good)
+    bad = tmp_path / "bad.bin"
+    with zipfile.ZipFile(good) as src, zipfile.ZipFile(bad, "w") as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            if info.filename.endswith("/data.pkl"):
+                data = pickle.dumps({"w": _RunsCode()}, protocol=2)
+            dst.writestr(info, data)
+    with pytest.raises(ValueError, match=r"refers to '(os|posix)\.system'.*refusing"):
+        read_torch_state_dict(str(bad))
+    assert not (tmp_path / "pwned").exists()
+    assert read_torch_state_dict(str(good))["w"][0].tolist() == [1.0, 1.0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -344,10 +427,12 @@ def test_error_directory_without_config(tmp_path: Path) -> None:
         read_checkpoint(str(tmp_path))
 
 
-def test_error_directory_without_safetensors(tmp_path: Path) -> None:
+def test_error_directory_without_weights(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(_gguf_config("llama", False)))
+    with pytest.raises(FileNotFoundError, match="no weights.*safetensors.*pytorch_model.bin"):
+        read_checkpoint(str(tmp_path))
     (tmp_path / "pytorch_model.bin").write_bytes(b"\0")
-    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+    with pytest.raises(ValueError, match="not a zip archive: the legacy"):
         read_checkpoint(str(tmp_path))
 
 

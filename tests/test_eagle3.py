@@ -196,6 +196,24 @@ def test_checkpoint_round_trip(model, tmp_path, draft_vocab) -> None:
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(head.config.aux_layer_ids)
 
 
+def test_checkpoint_from_pytorch_bin(model, tmp_path) -> None:
+    """The authors' releases ship `pytorch_model.bin` (int64 d2t, bool t2d): it loads without torch
+    at run time and gives the same head as the safetensors layout."""
+    import torch
+    from safetensors.numpy import load_file
+
+    st_dir, bin_dir = tmp_path / "st", tmp_path / "bin"
+    save_eagle3_head(init_eagle3_head(model, draft_vocab_ids=DRAFT_VOCAB, seed=3), str(st_dir))
+    bin_dir.mkdir()
+    (bin_dir / "config.json").write_text((st_dir / "config.json").read_text())
+    tensors = load_file(str(st_dir / "model.safetensors"))
+    assert tensors["d2t"].dtype == np.int64 and tensors["t2d"].dtype == np.bool_
+    torch.save({k: torch.from_numpy(v) for k, v in tensors.items()}, bin_dir / "pytorch_model.bin")
+    a, b = nnx.state(load_eagle3_head(str(st_dir), CFG)), nnx.state(load_eagle3_head(str(bin_dir), CFG))
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
 def test_checkpoint_errors_list_every_problem(model, tmp_path) -> None:
     from safetensors.numpy import load_file, save_file
     save_eagle3_head(init_eagle3_head(model, draft_vocab_ids=DRAFT_VOCAB), str(tmp_path))

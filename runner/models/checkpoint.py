@@ -31,6 +31,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from runner.models.config import ModelConfig
+from runner.models.torch_checkpoint import read_torch_state_dict
 
 SUPPORTED_GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     # general.architecture -> (HF architectures[0], HF model_type)
@@ -103,7 +104,7 @@ class Checkpoint:
         float32/float16/bfloat16 for safetensors, float32 for GGUF).
     dtype: the source's dominant storage type by element count ("bfloat16", "float32", "Q4_1", ...).
     tensor_dtypes: the source storage type of every tensor.
-    source: "safetensors" or "gguf"; path: what was read.
+    source: "safetensors", "pytorch" (`pytorch_model.bin`, read without torch) or "gguf"; path: what was read.
     """
 
     hf_config: dict[str, Any]
@@ -214,12 +215,19 @@ def read_hf_dir(path: str) -> Checkpoint:
 
     index_path = os.path.join(path, "model.safetensors.index.json")
     single = os.path.join(path, "model.safetensors")
+    source, read_file = "safetensors", _read_safetensors
+    if not os.path.isfile(index_path) and not os.path.isfile(single) and not any(
+            f.endswith(".safetensors") for f in os.listdir(path)):
+        # No safetensors: PyTorch `pytorch_model.bin` files, read without torch (runner.models.torch_checkpoint).
+        index_path = os.path.join(path, "pytorch_model.bin.index.json")
+        single = os.path.join(path, "pytorch_model.bin")
+        source, read_file = "pytorch", read_torch_state_dict
     if os.path.isfile(index_path):
         try:
             with open(index_path) as f:
                 weight_map: dict[str, str] = json.load(f)["weight_map"]
         except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"{index_path}: cannot parse safetensors index ({type(e).__name__}: {e})") from None
+            raise ValueError(f"{index_path}: cannot parse weight index ({type(e).__name__}: {e})") from None
         shards = sorted(set(weight_map.values()))
         missing = [s for s in shards if not os.path.isfile(os.path.join(path, s))]
         if missing:
@@ -231,20 +239,21 @@ def read_hf_dir(path: str) -> Checkpoint:
         files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
         weight_map = {}
         if not files:
-            raise FileNotFoundError(f"{path}: directory has no *.safetensors weights (only safetensors is supported)")
+            raise FileNotFoundError(f"{path}: directory has no weights (looked for *.safetensors, "
+                                    "model.safetensors.index.json, pytorch_model.bin[.index.json])")
 
     tensors: dict[str, np.ndarray] = {}
     tensor_dtypes: dict[str, str] = {}
     for file in files:
-        for name, (arr, dt) in _read_safetensors(file).items():
+        for name, (arr, dt) in read_file(file).items():
             if name in tensors:
-                raise ValueError(f"{path}: tensor {name!r} appears in more than one safetensors file")
+                raise ValueError(f"{path}: tensor {name!r} appears in more than one {source} file")
             tensors[name], tensor_dtypes[name] = arr, dt
     for name, shard in weight_map.items():
         if name not in tensors:
             raise ValueError(f"{index_path}: tensor {name!r} is listed in shard {shard!r} but not found in it")
     return Checkpoint(hf_config=hf_config, tensors=tensors, dtype=_dominant(tensor_dtypes, tensors),
-                      tensor_dtypes=tensor_dtypes, source="safetensors", path=path)
+                      tensor_dtypes=tensor_dtypes, source=source, path=path)
 
 
 _SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
