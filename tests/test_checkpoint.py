@@ -167,6 +167,8 @@ def test_torch_state_dict_dtypes_views_and_shared_storage(tmp_path: Path) -> Non
         ref = t.detach().float().numpy() if t.dtype == torch.bfloat16 else t.detach().numpy()
         assert arr.shape == ref.shape and arr.flags.c_contiguous, k
         np.testing.assert_array_equal(arr.astype(ref.dtype), ref, err_msg=k)
+    for k in ("f32", "bf16", "same_storage", "param"):  # contiguous: memory-mapped, read only where sliced
+        assert isinstance(out[k][0], np.memmap), k
 
 
 class _RunsCode:

@@ -4,7 +4,8 @@ among them the authors' EAGLE-3 heads, ship only in this format).
 `torch.save` (torch >= 1.6) writes a zip archive: `<name>/data.pkl`, a pickle of the state dict in
 which every tensor is a call to `torch._utils._rebuild_tensor_v2(storage, offset, size, stride, ...)`
 and every storage a persistent id `("storage", <dtype>Storage, key, location, numel)` whose bytes
-are the stored (uncompressed) zip member `<name>/data/<key>`, little-endian.
+are the stored (uncompressed) zip member `<name>/data/<key>`, little-endian. Contiguous tensors
+come back memory-mapped (nothing is read until sliced, as for safetensors); strided views are copied.
 
 A pickle can name any Python callable, so loading one is running code. The unpickler here resolves
 only the handful of globals a state dict needs (the rebuild functions, the storage types,
@@ -17,6 +18,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import pickle
+import struct
 import zipfile
 from typing import Any
 
@@ -102,6 +104,24 @@ def _numpy_dtype(name: str) -> np.dtype:
     return np.dtype(name)
 
 
+def _storage_array(archive: zipfile.ZipFile, member: zipfile.ZipInfo, path: str, dtype: np.dtype,
+                   numel: int) -> np.ndarray:
+    """One storage's elements: memory-mapped when stored uncompressed (as `torch.save` writes them),
+    so a sharded load reads each device's slice only; read into memory otherwise."""
+    if member.compress_type != zipfile.ZIP_STORED:
+        return np.frombuffer(archive.read(member), dtype=dtype)
+    with open(path, "rb") as f:  # the data follow the member's local header (30 bytes + name + extra)
+        f.seek(member.header_offset)
+        header = f.read(30)
+    if len(header) != 30 or header[:4] != b"PK\x03\x04":
+        raise ValueError(f"{path}: bad zip local header for {member.filename!r}")
+    name_len, extra_len = struct.unpack("<HH", header[26:30])
+    offset = member.header_offset + 30 + name_len + extra_len
+    if numel == 0:
+        return np.zeros(0, dtype)
+    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(numel,))
+
+
 def read_torch_state_dict(path: str) -> dict[str, tuple[np.ndarray, str]]:
     """name -> (array, dtype name) for every tensor of a `torch.save`d state dict (zip format)."""
     if not zipfile.is_zipfile(path):
@@ -122,6 +142,7 @@ def read_torch_state_dict(path: str) -> dict[str, tuple[np.ndarray, str]]:
                 raise ValueError(f"{path}: cannot unpickle data.pkl (corrupt?): {type(e).__name__}: {e}") from None
         if not isinstance(state, dict):
             raise ValueError(f"{path}: the pickle holds a {type(state).__name__}, not a state dict")
+        members = {info.filename: info for info in archive.infolist()}
         buffers: dict[str, np.ndarray] = {}
         out: dict[str, tuple[np.ndarray, str]] = {}
         for name, t in state.items():
@@ -129,20 +150,23 @@ def read_torch_state_dict(path: str) -> dict[str, tuple[np.ndarray, str]]:
                 raise ValueError(f"{path}: entry {name!r} is a {type(t).__name__}, not a tensor")
             dtype = _numpy_dtype(t.storage.dtype)
             if t.storage.key not in buffers:
-                member = f"{prefix}data/{t.storage.key}"
-                try:
-                    raw = archive.read(member)
-                except KeyError:
-                    raise ValueError(f"{path}: tensor {name!r} needs storage {member!r}, missing from the archive") from None
-                if len(raw) != t.storage.numel * dtype.itemsize:
-                    raise ValueError(f"{path}: storage {member!r} has {len(raw)} bytes, expected "
+                member = members.get(f"{prefix}data/{t.storage.key}")
+                if member is None:
+                    raise ValueError(f"{path}: tensor {name!r} needs storage {prefix}data/{t.storage.key}, "
+                                     "missing from the archive")
+                if member.file_size != t.storage.numel * dtype.itemsize:
+                    raise ValueError(f"{path}: storage {member.filename!r} has {member.file_size} bytes, expected "
                                      f"{t.storage.numel} x {dtype.itemsize}")
-                buffers[t.storage.key] = np.frombuffer(raw, dtype=dtype)
+                buffers[t.storage.key] = _storage_array(archive, member, path, dtype, t.storage.numel)
             base = buffers[t.storage.key]
             extent = t.offset + sum((n - 1) * s for n, s in zip(t.shape, t.stride)) + 1 if all(t.shape) else t.offset
             if extent > base.size:
                 raise ValueError(f"{path}: tensor {name!r} reaches past its storage ({extent} > {base.size} elements)")
-            view = np.lib.stride_tricks.as_strided(base[t.offset:], shape=t.shape,
-                                                   strides=tuple(s * dtype.itemsize for s in t.stride))
-            out[str(name)] = (np.array(view, order="C"), t.storage.dtype)  # a copy: 0-d stays 0-d
+            contiguous = tuple(int(np.prod(t.shape[i + 1:])) for i in range(len(t.shape)))
+            if all(n == 1 or s == c for n, s, c in zip(t.shape, t.stride, contiguous)):
+                arr = base[t.offset:t.offset + int(np.prod(t.shape))].reshape(t.shape)  # memory-mapped, unread
+            else:  # a strided view (a saved transpose or slice): copied out
+                arr = np.array(np.lib.stride_tricks.as_strided(
+                    base[t.offset:], shape=t.shape, strides=tuple(s * dtype.itemsize for s in t.stride)), order="C")
+            out[str(name)] = (arr, t.storage.dtype)
     return out
