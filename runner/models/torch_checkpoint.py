@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-# torch storage class -> (numpy dtype name, our dtype name)
+# torch storage class -> dtype name (numpy's, and ml_dtypes' bfloat16)
 _STORAGE_DTYPES: dict[str, str] = {
     "FloatStorage": "float32", "DoubleStorage": "float64", "HalfStorage": "float16", "BFloat16Storage": "bfloat16",
     "LongStorage": "int64", "IntStorage": "int32", "ShortStorage": "int16", "CharStorage": "int8",
@@ -104,22 +104,18 @@ def _numpy_dtype(name: str) -> np.dtype:
     return np.dtype(name)
 
 
-def _storage_array(archive: zipfile.ZipFile, member: zipfile.ZipInfo, path: str, dtype: np.dtype,
-                   numel: int) -> np.ndarray:
-    """One storage's elements: memory-mapped when stored uncompressed (as `torch.save` writes them),
-    so a sharded load reads each device's slice only; read into memory otherwise."""
+def _storage_array(archive: zipfile.ZipFile, member: zipfile.ZipInfo, raw: np.ndarray, path: str,
+                   dtype: np.dtype) -> np.ndarray:
+    """One storage's elements: a view of the memory-mapped file `raw` when stored uncompressed (as
+    `torch.save` writes them), so a sharded load reads each device's slice only; read otherwise."""
     if member.compress_type != zipfile.ZIP_STORED:
         return np.frombuffer(archive.read(member), dtype=dtype)
-    with open(path, "rb") as f:  # the data follow the member's local header (30 bytes + name + extra)
-        f.seek(member.header_offset)
-        header = f.read(30)
+    header = bytes(raw[member.header_offset:member.header_offset + 30])  # local header: 30 bytes + name + extra
     if len(header) != 30 or header[:4] != b"PK\x03\x04":
         raise ValueError(f"{path}: bad zip local header for {member.filename!r}")
     name_len, extra_len = struct.unpack("<HH", header[26:30])
-    offset = member.header_offset + 30 + name_len + extra_len
-    if numel == 0:
-        return np.zeros(0, dtype)
-    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(numel,))
+    start = member.header_offset + 30 + name_len + extra_len
+    return raw[start:start + member.file_size].view(dtype)
 
 
 def read_torch_state_dict(path: str) -> dict[str, tuple[np.ndarray, str]]:
@@ -143,6 +139,7 @@ def read_torch_state_dict(path: str) -> dict[str, tuple[np.ndarray, str]]:
         if not isinstance(state, dict):
             raise ValueError(f"{path}: the pickle holds a {type(state).__name__}, not a state dict")
         members = {info.filename: info for info in archive.infolist()}
+        raw = np.memmap(path, dtype=np.uint8, mode="r")
         buffers: dict[str, np.ndarray] = {}
         out: dict[str, tuple[np.ndarray, str]] = {}
         for name, t in state.items():
@@ -157,7 +154,7 @@ def read_torch_state_dict(path: str) -> dict[str, tuple[np.ndarray, str]]:
                 if member.file_size != t.storage.numel * dtype.itemsize:
                     raise ValueError(f"{path}: storage {member.filename!r} has {member.file_size} bytes, expected "
                                      f"{t.storage.numel} x {dtype.itemsize}")
-                buffers[t.storage.key] = _storage_array(archive, member, path, dtype, t.storage.numel)
+                buffers[t.storage.key] = _storage_array(archive, member, raw, path, dtype)
             base = buffers[t.storage.key]
             extent = t.offset + sum((n - 1) * s for n, s in zip(t.shape, t.stride)) + 1 if all(t.shape) else t.offset
             if extent > base.size:
