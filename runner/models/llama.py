@@ -173,6 +173,10 @@ class LlamaForCausalLM(nnx.Module):
     def embed(self, input_ids: Int[Array, "..."]) -> Float[Array, "... H"]:
         return self.embed_tokens[...][input_ids].astype(_dtype(self.config.dtype))
 
+    def output_rows(self) -> Float[Array, "V H"]:
+        """The output projection as one row per token id (the embedding when tied)."""
+        return self.embed_tokens[...] if self.lm_head is None else self.lm_head.kernel[...].T
+
     def compute_logits(self, hidden: Float[Array, "... H"]) -> Float[Array, "... V"]:
         """Final-norm'd hidden states -> float32 logits."""
         if self.lm_head is None:

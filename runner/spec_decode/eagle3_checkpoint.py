@@ -158,8 +158,7 @@ def init_eagle3_head(target: LlamaForCausalLM, *, draft_vocab_ids: np.ndarray | 
     if draft_vocab_ids is not None:
         ids = np.asarray(draft_vocab_ids, np.int64)
         d2t, _ = vocab_maps(ids, cfg.vocab_size)
-        out = target.embed_tokens[...] if target.lm_head is None else target.lm_head.kernel[...].T  # [V, H]
-        head.lm_head.kernel.value = jnp.asarray(out)[ids].T.astype(head.lm_head.kernel.value.dtype)
+        head.lm_head.kernel.value = jnp.asarray(target.output_rows())[ids].T.astype(head.lm_head.kernel.value.dtype)
         head.d2t.value = jnp.asarray(d2t, jnp.int32)
     # Start from the target's view: fc passes the highest aux layer's features through unchanged and
     # the head's norm is the target's final norm, so its lm_head reads the kind of features it expects.

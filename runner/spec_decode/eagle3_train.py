@@ -37,8 +37,7 @@ def target_features(target: LlamaForCausalLM, token_ids: Int[Array, "B S"], aux_
 
 def _draft_rows_of_target_output(target: LlamaForCausalLM, head: Eagle3Head) -> Float[Array, "Vd H"]:
     ids = head.d2t[...] + jnp.arange(head.config.draft_vocab_size, dtype=jnp.int32)
-    out = target.embed_tokens[...] if target.lm_head is None else target.lm_head.kernel[...].T
-    return jnp.take(out, ids, axis=0)
+    return jnp.take(target.output_rows(), ids, axis=0)
 
 
 def target_to_draft(head: Eagle3Head) -> np.ndarray:
