@@ -32,6 +32,8 @@ class AttentionMetadata:
     page_indices: Int[Array, "S W"]  # KV pages of each sequence (W = context bucket in pages)
     cu_q_lens: Int[Array, "S+1"]  # start of each sequence's queries in the packed token axis
     num_seqs: Int[Array, "1"]  # number of real sequences (the rest of S is padding)
+    # leading pages shared by every real sequence and wholly before each one's first query (cascade); None = 0
+    num_common_pages: Int[Array, "1"] | None = None
     max_q_len: int = dataclasses.field(metadata=dict(static=True), default=1)  # static bound on any q_len
     impl: str = dataclasses.field(metadata=dict(static=True), default="jax")  # one of ATTENTION_IMPLS
 
@@ -59,7 +61,7 @@ def paged_attention(
         return _pallas_gpu_decode(queries, kv_pages, md.kv_lens, md.page_indices, sm_scale=sm_scale,
                                   interpret=md.impl == "pallas_gpu_interpret")
     return ragged_paged_attention(queries, kv_pages, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
-                                  sm_scale=sm_scale, max_q_len=md.max_q_len)
+                                  sm_scale=sm_scale, max_q_len=md.max_q_len, num_common_pages=md.num_common_pages)
 
 
 def _largest_divisor(n: int, options: tuple[int, ...]) -> int:
@@ -120,6 +122,7 @@ def ragged_paged_attention(
     sm_scale: float,
     max_q_len: int,
     pages_per_chunk: int = 2,
+    num_common_pages: Int[Array, "1"] | None = None,
 ) -> Float[Array, "T Hq D"]:
     """Causal attention of packed queries over each sequence's paged context (pure JAX reference).
 
@@ -127,6 +130,11 @@ def ragged_paged_attention(
     longest real context in the step, so the cost follows the live context, not the padded width of
     `page_indices`. Each chunk of every sequence's pages is gathered once (whole
     pages of contiguous `[page, D]` memory per head) and consumed while it is still in cache.
+
+    Cascade: the first `num_common_pages` pages (the same in every real sequence's table, e.g. a
+    shared system prompt or the prompt of n samples, and before every query) are gathered once for
+    the whole batch and attended by all query rows as one matmul; each sequence's own loop then
+    starts after them. It changes only the order of the softmax sums.
     """
     num_tokens, num_q_heads, head_dim = queries.shape
     num_rows, pages_per_seq = page_indices.shape
@@ -185,6 +193,10 @@ def ragged_paged_attention(
     stats_shape = (num_kv_heads, num_rows, rows)
     init = (jnp.int32(0), jnp.full(stats_shape, MASK_VALUE, jnp.float32), jnp.zeros(stats_shape, jnp.float32),
             jnp.zeros((*stats_shape, head_dim), jnp.float32))
+    if num_common_pages is not None:
+        common_chunks = jnp.minimum(num_common_pages[0] // chunk, num_chunks)  # whole chunks only
+        m, l, acc = _common_prefix_attention(q, kv_pages, page_indices[0], common_chunks * chunk, kv_lens > 0)
+        init = (common_chunks, m, l, acc)
     # The trip count follows the longest real context of this step, not the padded width.
     num_live = jnp.minimum(-(-jnp.max(kv_lens) // chunk_tokens), num_chunks)
     _, _, l, acc = jax.lax.while_loop(lambda carry: carry[0] < num_live, body, init)
@@ -196,6 +208,58 @@ def ragged_paged_attention(
     seq_of_token = jnp.clip(jnp.searchsorted(cu_q_lens, token, side="right") - 1, 0, num_rows - 1)
     offset = jnp.clip(token - cu_q_lens[seq_of_token], 0, max_q_len - 1)
     return jnp.take(out, seq_of_token * max_q_len + offset, axis=0, mode="clip").astype(queries.dtype)
+
+
+COMMON_PAGES_PER_CHUNK = 8
+
+
+def _common_prefix_attention(
+    q: Float[Array, "Hkv S R D"],
+    kv_pages: Float[Array, "2 Hkv P page D"],
+    pages: Int[Array, "W"],
+    num_pages: Int[Array, ""],
+    live_rows: Array,  # [S] bool: rows with a context (padding rows attend to nothing)
+) -> tuple[Float[Array, "Hkv S R"], Float[Array, "Hkv S R"], Float[Array, "Hkv S R D"]]:
+    """Online-softmax state (max, sum, weighted V) of every query row over the first `num_pages` of `pages`.
+
+    Those pages are gathered once per step (not once per sequence) and every row of the batch
+    attends to them in one matmul per KV head; no causal mask is needed since they precede every query.
+    """
+    num_kv_heads, num_rows, rows, head_dim = q.shape
+    total_pages, page_size = kv_pages.shape[2], kv_pages.shape[3]
+    chunk = min(COMMON_PAGES_PER_CHUNK, pages.shape[0])
+    pages = jnp.pad(pages, (0, -pages.shape[0] % chunk))
+    chunk_tokens = chunk * page_size
+    flat_q = q.reshape(num_kv_heads, num_rows * rows, head_dim)
+    live = jnp.repeat(live_rows, rows)  # [S * R]
+
+    def gather_head(head_pages: Array, idx: Array) -> tuple[Array, Array]:  # [2, P, page, D], [chunk]
+        page_rows = head_pages.reshape(2 * total_pages, page_size * head_dim)
+        k = jnp.take(page_rows, idx, axis=0, mode="clip").reshape(chunk_tokens, head_dim)
+        v = jnp.take(page_rows, idx + total_pages, axis=0, mode="clip").reshape(chunk_tokens, head_dim)
+        return k, v
+
+    def body(carry: tuple[Array, Array, Array, Array]) -> tuple[Array, Array, Array, Array]:
+        c, m, l, acc = carry
+        idx = jax.lax.dynamic_slice_in_dim(pages, c * chunk, chunk)
+        k, v = jax.vmap(gather_head, in_axes=(1, None))(kv_pages, idx)  # [Hkv, chunk_tokens, D] each
+        s = jnp.einsum("hnd,hkd->hnk", flat_q, k, preferred_element_type=jnp.float32)
+        k_pos = c * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32)
+        mask = live[:, None] & (k_pos < num_pages * page_size)[None, :]
+        s = jnp.where(mask[None], s, MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.where(mask[None], jnp.exp(s - m_new[..., None]), 0.0)
+        l = l * alpha + jnp.sum(p, axis=-1)
+        pv = jnp.einsum("hnk,hkd->hnd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return c + 1, m_new, l, acc * alpha[..., None] + pv
+
+    shape = (num_kv_heads, num_rows * rows)
+    init = (jnp.int32(0), jnp.full(shape, MASK_VALUE, jnp.float32), jnp.zeros(shape, jnp.float32),
+            jnp.zeros((*shape, head_dim), jnp.float32))
+    _, m, l, acc = jax.lax.while_loop(lambda carry: carry[0] * chunk < num_pages, body, init)
+    return (m.reshape(num_kv_heads, num_rows, rows), l.reshape(num_kv_heads, num_rows, rows),
+            acc.reshape(num_kv_heads, num_rows, rows, head_dim))
 
 
 def causal_attention(

@@ -160,6 +160,16 @@ class _Shape:
     num_blocks: int  # per replica: slots past num_blocks * block_size are dropped
 
 
+def num_common_pages(table: np.ndarray, context_before_queries: np.ndarray, page_size: int) -> int:
+    """Leading pages that every sequence's table shares (prefix-cached blocks of a common prompt) and
+    that lie wholly before each sequence's first query: attention reads them once for the batch."""
+    if len(table) == 0:
+        return 0
+    limit = min(int(np.min(context_before_queries)) // page_size, table.shape[1])
+    same = np.all(table[:, :limit] == table[:1, :limit], axis=0)
+    return limit if bool(same.all()) else int(np.argmin(same))
+
+
 def _pad_one(b: StepBatch, s: _Shape) -> DeviceBatch:
     """One replica's part padded to the bucket shape `s`, with its attention metadata."""
     page = s.block_size
@@ -216,6 +226,7 @@ def _pad_one(b: StepBatch, s: _Shape) -> DeviceBatch:
         token_ids=pad(b.token_ids, s.padded_tokens), positions=pad(b.positions, s.padded_tokens),
         md=AttentionMetadata(slot_mapping=slot_mapping, kv_lens=kv_lens, page_indices=page_indices,
                              cu_q_lens=cu_q_lens, num_seqs=np.array([len(piece_seq)], np.int32),
+                             num_common_pages=np.array([num_common_pages(table, b.kv_lens - b.q_lens, page)], np.int32),
                              max_q_len=s.piece_len),
         logits_indices=pad(logits_indices, rows), sampling=sampling, mode=np.int32(0),
         target_ids=pad(b.target_ids if b.target_ids is not None else np.zeros(0, np.int32), s.padded_tokens),

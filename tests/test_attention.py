@@ -15,6 +15,7 @@ import pytest
 
 from rollout import Engine, SamplingParams
 from runner.attention import AttentionMetadata, paged_attention, ragged_paged_attention, write_kv
+from runner.step_inputs import num_common_pages
 from test_engine import ENGINE_KW, ByteTokenizer, make_model, rand_prompt
 
 HKV, GROUP, D, PAGE, NUM_PAGES = 2, 3, 8, 4, 40
@@ -61,6 +62,38 @@ def test_ragged_paged_attention_matches_reference(q_lens: list[int], kv_lens: li
                                  sm_scale=D ** -0.5, max_q_len=max_q_len)
     want = reference(queries, kv, q_lens, kv_lens, tables, D ** -0.5)
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-6)
+
+
+@pytest.mark.parametrize("q_lens,kv_lens,max_q_len,common", [
+    ([1, 1, 1, 0], [13, 17, 24, 0], 1, 3),  # decode over a shared prefix, a padding row
+    ([1, 1, 1], [9, 17, 24], 1, 2),  # the shared prefix ends exactly at the shortest context's query page
+    ([4, 3, 1], [20, 12, 17], 8, 2),  # prefill pieces and a decode after a shared prefix
+    ([1], [23], 1, 5),  # one sequence: its whole context before the query is "common"
+    ([1, 1], [9, 24], 1, 0),  # nothing shared
+])
+def test_cascade_over_common_pages_matches_reference(q_lens: list[int], kv_lens: list[int], max_q_len: int,
+                                                      common: int) -> None:
+    """Pages shared by every sequence, attended once for the batch, give the same attention."""
+    queries, kv, tables = random_case(4, [max(q, 1) for q in q_lens], kv_lens, width=6)
+    queries = queries[:sum(q_lens)]
+    tables[:, :common] = tables[0, :common]
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    assert num_common_pages(tables[:sum(1 for q in q_lens if q)], np.array([k - q for q, k in zip(q_lens, kv_lens) if q]),
+                            PAGE) >= common
+    got = ragged_paged_attention(jnp.asarray(queries), jnp.asarray(kv), jnp.asarray(kv_lens, jnp.int32),
+                                 jnp.asarray(tables), jnp.asarray(cu), jnp.asarray([len(q_lens)], jnp.int32),
+                                 sm_scale=D ** -0.5, max_q_len=max_q_len, num_common_pages=jnp.asarray([common], jnp.int32))
+    np.testing.assert_allclose(np.asarray(got), reference(queries, kv, q_lens, kv_lens, tables, D ** -0.5), atol=2e-6)
+
+
+def test_num_common_pages_stops_at_divergence_and_at_the_first_query() -> None:
+    tables = np.array([[7, 3, 9, 4], [7, 3, 9, 5], [7, 3, 2, 6]])
+    assert num_common_pages(tables, np.array([40, 40, 40]), PAGE) == 2  # the third table diverges at page 2
+    assert num_common_pages(tables[:2], np.array([40, 40]), PAGE) == 3
+    assert num_common_pages(tables[:2], np.array([40, 11]), PAGE) == 2  # page 2 holds the second row's query
+    assert num_common_pages(tables[:2], np.array([40, 3]), PAGE) == 0
+    assert num_common_pages(tables[:1], np.array([100]), PAGE) == 4  # never past the table
+    assert num_common_pages(tables[:0], np.array([], np.int64), PAGE) == 0
 
 
 def test_write_kv_places_k_and_v_and_drops_out_of_range() -> None:
@@ -125,15 +158,17 @@ def test_write_kv_updates_the_cache_in_place(num_tokens: int) -> None:
     assert not copies, copies
 
 
-def test_kv_head_sharded_cache_is_never_gathered() -> None:
+@pytest.mark.parametrize("common", [None, 2])
+def test_kv_head_sharded_cache_is_never_gathered(common: int | None) -> None:
     """With the cache sharded by KV head (tensor parallel), attention runs on each device's heads:
     no collective in the compiled program (flattening the head axis into the page rows made GSPMD
-    all-gather the whole cache every layer, silently)."""
+    all-gather the whole cache every layer, silently), with or without the cascade over common pages."""
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    q_lens, kv_lens = [1, 1, 1], [5, 17, 24]
+    q_lens, kv_lens = [1, 1, 1], [9, 17, 24]
     queries, kv, tables = random_case(3, q_lens, kv_lens, width=6)
+    tables[:, :2] = tables[0, :2]  # 2 pages before every query
     mesh = Mesh(np.asarray(jax.devices()[:HKV]), ("model",))
     kv_sharded = jax.device_put(kv, NamedSharding(mesh, PartitionSpec(None, "model")))
     q_sharded = jax.device_put(queries, NamedSharding(mesh, PartitionSpec(None, "model")))
@@ -141,7 +176,8 @@ def test_kv_head_sharded_cache_is_never_gathered() -> None:
 
     def attend(q: jax.Array, cache: jax.Array) -> jax.Array:
         return ragged_paged_attention(q, cache, jnp.asarray(kv_lens, jnp.int32), jnp.asarray(tables), jnp.asarray(cu),
-                                      jnp.asarray([3], jnp.int32), sm_scale=0.3, max_q_len=1)
+                                      jnp.asarray([3], jnp.int32), sm_scale=0.3, max_q_len=1,
+                                      num_common_pages=None if common is None else jnp.asarray([common], jnp.int32))
 
     compiled = jax.jit(attend).lower(q_sharded, kv_sharded).compile()
     collectives = re.findall(r"all-gather|all-to-all|collective-permute|all-reduce", compiled.as_text())

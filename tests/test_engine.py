@@ -316,6 +316,28 @@ def test_n8_with_prefix_caching_equals_separate_requests(engine: Engine, ref: Re
     assert [o.outputs[0].token_ids for o in separate] == [expected] * 8
 
 
+def test_shared_preamble_cascade_logprobs_match_full_forward(engine: Engine, ref: Reference,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompts sharing a 70-token preamble: their common cached pages are attended once per step for
+    the whole batch (cascade), and every sampled logprob still equals the full forward's."""
+    import runner.step_inputs
+
+    seen: list[int] = []
+    real = runner.step_inputs.num_common_pages
+    monkeypatch.setattr(runner.step_inputs, "num_common_pages", lambda *a: seen.append(real(*a)) or seen[-1])
+    rng = np.random.default_rng(77)
+    preamble = rand_prompt(rng, 70)
+    prompts = [preamble + rand_prompt(rng, n) for n in (3, 9, 20)]
+    outs = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=10, logprobs=0))
+    assert max(seen) >= 4, seen  # the preamble's 4 full blocks were shared in decode steps
+    for prompt, out in zip(prompts, outs):
+        for c in out.outputs:
+            _, logp = ref.logits(prompt + c.token_ids)
+            got = [t.logprob for t in c.logprobs]
+            want = [logp[len(prompt) - 1 + j, tok] for j, tok in enumerate(c.token_ids)]
+            np.testing.assert_allclose(got, want, atol=1e-5)
+
+
 # ---- stopping ---------------------------------------------------------------------------------
 
 def test_eos_stops_and_min_tokens_masks_it(eos_engine: Engine) -> None:
