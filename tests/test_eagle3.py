@@ -118,8 +118,10 @@ def reference_drafts(head: Eagle3Head, target, tokens: list[int], steps: int, fo
     cfg, p = head.config, np_params(head)
     eps, hd, nq, nkv = cfg.rms_norm_eps, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     c = len(tokens) - 1
-    aux, _, _ = target_features(target, jnp.asarray([tokens[:c]]), cfg.aux_layer_ids)
-    g = np.asarray(aux[0], np.float64) @ p["fc.kernel"]
+    padded = np.zeros(-(-c // 64) * 64, np.int32)  # few distinct shapes: eager ops reuse their compilations
+    padded[:c] = tokens[:c]  # causal, so the padding after them changes nothing
+    aux, _, _ = target_features(target, jnp.asarray(padded[None]), cfg.aux_layer_ids)
+    g = np.asarray(aux[0, :c], np.float64) @ p["fc.kernel"]
     emb = np.asarray(target.embed_tokens[...], np.float64)
     target_out = emb.T if target.lm_head is None else np.asarray(target.lm_head.kernel[...], np.float64)
     out_w = p["lm_head.kernel"] if cfg.has_lm_head else target_out
