@@ -154,17 +154,11 @@ def ragged_paged_attention(
     q = (q.astype(jnp.float32) * sm_scale).astype(queries.dtype).reshape(num_kv_heads, num_rows, rows, head_dim)
     q_pos = jnp.tile((kv_lens - q_lens)[:, None] + q_offsets[None, :], (1, group))  # [S, rows] absolute position
 
-    # Per KV head, the cache viewed as rows of one page: `[2 * P, page * D]` (K rows, then V rows).
-    # Gathering whole rows of that 2-D view is faster on XLA:CPU than `take` along axis 1 of
-    # `kv_pages[i]`; vmapping over the head axis (not flattening it) keeps a KV-head-sharded cache
-    # sharded (a reshape across that axis would make GSPMD all-gather the whole cache).
-    total_pages = kv_pages.shape[2]
-
+    # Vmapping over the head axis (not flattening it into the page rows) keeps a KV-head-sharded
+    # cache sharded (a reshape across that axis would make GSPMD all-gather the whole cache).
     def gather_head(head_pages: Array, idx: Array) -> tuple[Array, Array]:  # [2, P, page, D], [S, chunk]
-        rows = head_pages.reshape(2 * total_pages, page_size * head_dim)
-        k = jnp.take(rows, idx.reshape(-1), axis=0, mode="clip").reshape(num_rows, chunk_tokens, head_dim)
-        v = jnp.take(rows, (idx + total_pages).reshape(-1), axis=0, mode="clip").reshape(num_rows, chunk_tokens, head_dim)
-        return k, v
+        k, v = _take_pages(head_pages, idx.reshape(-1))
+        return k.reshape(num_rows, chunk_tokens, head_dim), v.reshape(num_rows, chunk_tokens, head_dim)
 
     # Few query rows (decode, verification): multiply-reduce forms fuse on XLA:CPU and beat tiny batched dots.
     multiply_reduce = rows <= MULTIPLY_REDUCE_MAX_ROWS
@@ -179,11 +173,7 @@ def ragged_paged_attention(
             s = jnp.einsum("hsrd,hskd->hsrk", q, k, preferred_element_type=jnp.float32)
         k_pos = c * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32)
         mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < kv_lens[:, None, None])
-        s = jnp.where(mask[None], s, MASK_VALUE)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.where(mask[None], jnp.exp(s - m_new[..., None]), 0.0)
-        l = l * alpha + jnp.sum(p, axis=-1)
+        m_new, alpha, p, l = _online_softmax_step(m, l, s, mask[None])
         if multiply_reduce:
             pv = jnp.sum(p[..., None] * v[:, :, None, :, :].astype(jnp.float32), axis=-2)
         else:
@@ -213,6 +203,28 @@ def ragged_paged_attention(
 COMMON_PAGES_PER_CHUNK = 8
 
 
+def _take_pages(head_pages: Float[Array, "2 P page D"], idx: Int[Array, "N"]
+                ) -> tuple[Float[Array, "N pageD"], Float[Array, "N pageD"]]:
+    """K and V of pages `idx` of one KV head, one row of `page * D` each.
+
+    The head's cache viewed as rows `[2 * P, page * D]` (K rows, then V rows): gathering whole rows
+    of that 2-D view is faster on XLA:CPU than `take` along axis 1 of `kv_pages[i]`.
+    """
+    two, total_pages, page_size, head_dim = head_pages.shape
+    rows = head_pages.reshape(two * total_pages, page_size * head_dim)
+    return (jnp.take(rows, idx, axis=0, mode="clip"), jnp.take(rows, idx + total_pages, axis=0, mode="clip"))
+
+
+def _online_softmax_step(m: Array, l: Array, s: Array, mask: Array) -> tuple[Array, Array, Array, Array]:
+    """One chunk of scores `s` (masked keys dropped) folded into the running max `m` and sum `l`:
+    (new max, rescale factor of the old state, this chunk's unnormalised weights, new sum)."""
+    s = jnp.where(mask, s, MASK_VALUE)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+    return m_new, alpha, p, l * alpha + jnp.sum(p, axis=-1)
+
+
 def _common_prefix_attention(
     q: Float[Array, "Hkv S R D"],
     kv_pages: Float[Array, "2 Hkv P page D"],
@@ -226,7 +238,7 @@ def _common_prefix_attention(
     attends to them in one matmul per KV head; no causal mask is needed since they precede every query.
     """
     num_kv_heads, num_rows, rows, head_dim = q.shape
-    total_pages, page_size = kv_pages.shape[2], kv_pages.shape[3]
+    page_size = kv_pages.shape[3]
     chunk = min(COMMON_PAGES_PER_CHUNK, pages.shape[0])
     pages = jnp.pad(pages, (0, -pages.shape[0] % chunk))
     chunk_tokens = chunk * page_size
@@ -234,10 +246,8 @@ def _common_prefix_attention(
     live = jnp.repeat(live_rows, rows)  # [S * R]
 
     def gather_head(head_pages: Array, idx: Array) -> tuple[Array, Array]:  # [2, P, page, D], [chunk]
-        page_rows = head_pages.reshape(2 * total_pages, page_size * head_dim)
-        k = jnp.take(page_rows, idx, axis=0, mode="clip").reshape(chunk_tokens, head_dim)
-        v = jnp.take(page_rows, idx + total_pages, axis=0, mode="clip").reshape(chunk_tokens, head_dim)
-        return k, v
+        k, v = _take_pages(head_pages, idx)
+        return k.reshape(chunk_tokens, head_dim), v.reshape(chunk_tokens, head_dim)
 
     def body(carry: tuple[Array, Array, Array, Array]) -> tuple[Array, Array, Array, Array]:
         c, m, l, acc = carry
@@ -246,11 +256,7 @@ def _common_prefix_attention(
         s = jnp.einsum("hnd,hkd->hnk", flat_q, k, preferred_element_type=jnp.float32)
         k_pos = c * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32)
         mask = live[:, None] & (k_pos < num_pages * page_size)[None, :]
-        s = jnp.where(mask[None], s, MASK_VALUE)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.where(mask[None], jnp.exp(s - m_new[..., None]), 0.0)
-        l = l * alpha + jnp.sum(p, axis=-1)
+        m_new, alpha, p, l = _online_softmax_step(m, l, s, mask[None])
         pv = jnp.einsum("hnk,hkd->hnd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
         return c + 1, m_new, l, acc * alpha[..., None] + pv
 
