@@ -25,6 +25,7 @@ from rollout.sequence import Sequence
 from rollout.speculator import Speculator
 from rollout.step_builder import build_step
 from rollout.tokenizer import Tokenizer, load_tokenizer
+from runner.attention import auto_attention_impl
 from runner.buckets import BucketConfig
 from runner.compile_counter import num_compilations
 from runner.kv_cache import KVCacheSpec
@@ -65,10 +66,8 @@ class Engine:
         spec = config.speculative
         buckets = BucketConfig(config.max_num_seqs, config.max_num_batched_tokens, max_pages,
                                verify_rows=spec.k + 1 if spec is not None else 0)
-        attention_impl = config.attention_backend
-        if attention_impl == "auto":
-            on_gpu = device_mesh.devices.flat[0].platform == "gpu"
-            attention_impl = "pallas_gpu" if on_gpu and device_mesh.shape["model"] == 1 else "jax"
+        attention_impl = auto_attention_impl(config.attention_backend, device_mesh.devices.flat[0].platform,
+                                             device_mesh.shape["model"], kv_spec.dtype)
         draft_head = None
         if isinstance(spec, Eagle3Config):
             draft_head = load_eagle3_head(spec.path, cfg, aux_layer_ids=spec.aux_layer_ids)

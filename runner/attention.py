@@ -3,7 +3,9 @@
 One layer's cache is `kv_pages [2, kv_heads, pages, page_size, head_dim]`: K at index 0 and V at 1,
 each in the `[kv_heads, total_num_pages, page_size, head_dim]` layout of JAX's Pallas
 `paged_attention` kernels (`jax.experimental.pallas.ops.gpu.paged_attention` and
-`...ops.tpu.paged_attention`), so `kv_pages[0]`, `kv_pages[1]` go to them as they are.
+`...ops.tpu.paged_attention`), so `kv_pages[0]`, `kv_pages[1]` go to them as they are (decode steps).
+JAX's TPU `ragged_paged_attention` kernel wants K and V interleaved per page instead
+(`[pages, page, 2 * kv_heads, head_dim]`), so it is not one of the impls.
 `ragged_paged_attention` takes queries packed across requests (`kv_lens`, `page_indices`,
 `cu_q_lens`, `num_seqs`, as the TPU ragged kernel does). The pure-JAX version here is the reference
 and the CPU path: it gathers each request's pages once, a few pages at a time (never a copy of the
@@ -38,7 +40,25 @@ class AttentionMetadata:
     impl: str = dataclasses.field(metadata=dict(static=True), default="jax")  # one of ATTENTION_IMPLS
 
 
-ATTENTION_IMPLS = ("jax", "pallas_gpu", "pallas_gpu_interpret")
+ATTENTION_IMPLS = ("jax", "pallas_gpu", "pallas_gpu_interpret", "pallas_tpu", "pallas_tpu_interpret")
+
+
+def auto_attention_impl(backend: str, platform: str, model_axis: int, cache_dtype: str) -> str:
+    """The attention impl for `attention_backend=backend` ("auto" or one of ATTENTION_IMPLS).
+
+    "auto" takes the Pallas decode kernel of the device's platform when the cache is not sharded over
+    a `model` axis; on TPU only for a bfloat16 cache, since that kernel rounds K/V to bfloat16 (with
+    a float32 cache it would move logprobs off the trainer's by ~1e-2). Otherwise the pure-JAX path.
+    """
+    if backend != "auto":
+        return backend
+    if model_axis != 1:
+        return "jax"
+    if platform == "gpu":
+        return "pallas_gpu"
+    if platform == "tpu" and jnp.dtype(cache_dtype) == jnp.bfloat16:
+        return "pallas_tpu"
+    return "jax"
 
 
 def paged_attention(
@@ -50,16 +70,18 @@ def paged_attention(
 ) -> Float[Array, "T Hq D"]:
     """The engine's one attention boundary: `md.impl` picks the kernel.
 
-    "jax" is the pure-JAX `ragged_paged_attention` (every step, every backend). "pallas_gpu" sends
-    decode steps (one query per sequence) to JAX's Pallas GPU `paged_attention` kernel over the same
-    cache (`kv_pages[0]`, `kv_pages[1]`), and every other step to the pure-JAX version;
-    "pallas_gpu_interpret" runs that kernel in Pallas interpret mode (any backend; tests).
+    "jax" is the pure-JAX `ragged_paged_attention` (every step, every backend). "pallas_gpu" and
+    "pallas_tpu" send decode steps (one query per sequence) to JAX's Pallas `paged_attention` kernel
+    for that backend over the same cache (`kv_pages[0]`, `kv_pages[1]`), and every other step to the
+    pure-JAX version; the "_interpret" variants run those kernels in Pallas interpret mode (any
+    backend; tests). The TPU kernel rounds K and V to bfloat16 inside (exact for a bfloat16 cache).
     """
     if md.impl not in ATTENTION_IMPLS:
         raise ValueError(f"unknown attention impl {md.impl!r}; choose one of {ATTENTION_IMPLS}")
     if md.impl != "jax" and md.max_q_len == 1 and queries.shape[0] == md.page_indices.shape[0]:
-        return _pallas_gpu_decode(queries, kv_pages, md.kv_lens, md.page_indices, sm_scale=sm_scale,
-                                  interpret=md.impl == "pallas_gpu_interpret")
+        decode = _pallas_tpu_decode if md.impl.startswith("pallas_tpu") else _pallas_gpu_decode
+        return decode(queries, kv_pages, md.kv_lens, md.page_indices, sm_scale=sm_scale,
+                      interpret=md.impl.endswith("_interpret"))
     return ragged_paged_attention(queries, kv_pages, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
                                   sm_scale=sm_scale, max_q_len=md.max_q_len, num_common_pages=md.num_common_pages)
 
@@ -86,6 +108,38 @@ def _pallas_gpu_decode(
     q = (queries.astype(jnp.float32) * sm_scale).astype(queries.dtype)
     out = pallas_paged_attention(q, kv_pages[0], kv_pages[1], page_indices, kv_lens, k_splits=k_splits,
                                  pages_per_compute_block=per_block, interpret=interpret)
+    return jnp.where((kv_lens > 0)[:, None, None], out, 0.0).astype(queries.dtype)
+
+
+def _pallas_tpu_decode(
+    queries: Float[Array, "S Hq D"],
+    kv_pages: Float[Array, "2 Hkv P page D"],
+    kv_lens: Int[Array, "S"],
+    page_indices: Int[Array, "S W"],
+    *,
+    sm_scale: float,
+    interpret: bool,
+) -> Float[Array, "S Hq D"]:
+    """One query per sequence through `jax.experimental.pallas.ops.tpu.paged_attention`.
+
+    The kernel DMAs every listed page, so table entries past the cache (padding) are clipped into
+    it; rows without context are zeroed, as the reference does.
+    """
+    from jax.experimental.pallas import tpu as pltpu
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as pallas_paged_attention
+
+    per_block = _largest_divisor(page_indices.shape[1], (8, 4, 2, 1))
+    pages = jnp.clip(page_indices, 0, kv_pages.shape[2] - 1)
+    q = (queries.astype(jnp.float32) * sm_scale).astype(queries.dtype)
+
+    def run() -> Array:
+        return pallas_paged_attention(q, kv_pages[0], kv_pages[1], kv_lens, pages, pages_per_compute_block=per_block)
+
+    if interpret:
+        with pltpu.force_tpu_interpret_mode():
+            out = run()
+    else:
+        out = run()
     return jnp.where((kv_lens > 0)[:, None, None], out, 0.0).astype(queries.dtype)
 
 

@@ -1,4 +1,4 @@
-"""Paged attention against a numpy reference, and the Pallas GPU kernel (interpret mode) on the same cache.
+"""Paged attention against a numpy reference, and the Pallas GPU and TPU kernels (interpret mode) on the same cache.
 
 The reference gathers each sequence's context from its page table and runs plain causal softmax
 attention in float64; the kernels under test read the paged cache `[2, Hkv, pages, page, D]`.
@@ -6,15 +6,20 @@ attention in float64; the kernels under test read the paged cache `[2, Hkv, page
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from rollout import Engine, SamplingParams
-from runner.attention import AttentionMetadata, paged_attention, ragged_paged_attention, write_kv
+from runner.attention import (AttentionMetadata, auto_attention_impl, paged_attention, ragged_paged_attention,
+                              write_kv)
+from runner.models.llama import LlamaForCausalLM
 from runner.step_inputs import num_common_pages
 from test_engine import ENGINE_KW, ByteTokenizer, make_model, rand_prompt
 
@@ -121,6 +126,33 @@ def test_pallas_gpu_kernel_reads_the_same_cache() -> None:
     np.testing.assert_allclose(got, want, atol=2e-6)
 
 
+def test_pallas_tpu_kernel_reads_the_same_cache() -> None:
+    """JAX's Pallas TPU paged-attention kernel (TPU interpret mode on CPU) on our cache equals the reference.
+
+    The kernel rounds K and V to bfloat16 inside, so the cache holds bfloat16-representable values
+    (as a bfloat16 cache does); then only the float32 summation order differs.
+    """
+    q_lens, kv_lens = [1, 1, 1, 1], [1, 9, 24, 0]  # the last row is padding (no context)
+    queries, kv, tables = random_case(2, q_lens, kv_lens, 6)
+    kv = np.asarray(jnp.asarray(kv).astype(jnp.bfloat16).astype(jnp.float32))
+    tables[3] = NUM_PAGES  # a padding row's table points past the cache
+    md = AttentionMetadata(slot_mapping=jnp.zeros(4, jnp.int32), kv_lens=jnp.asarray(kv_lens, jnp.int32),
+                           page_indices=jnp.asarray(tables), cu_q_lens=jnp.arange(5, dtype=jnp.int32),
+                           num_seqs=jnp.asarray([3], jnp.int32), max_q_len=1, impl="pallas_tpu_interpret")
+    got = np.asarray(paged_attention(jnp.asarray(queries), jnp.asarray(kv), md, sm_scale=D ** -0.5))
+    want = reference(queries, kv, q_lens, kv_lens, tables, D ** -0.5)
+    np.testing.assert_allclose(got, want, atol=2e-6)
+
+
+def test_auto_attention_impl_keeps_float32_caches_exact() -> None:
+    assert auto_attention_impl("auto", "cpu", 1, "float32") == "jax"
+    assert auto_attention_impl("auto", "gpu", 1, "float32") == "pallas_gpu"
+    assert auto_attention_impl("auto", "gpu", 2, "float32") == "jax"  # the kernels run unpartitioned
+    assert auto_attention_impl("auto", "tpu", 1, "bfloat16") == "pallas_tpu"
+    assert auto_attention_impl("auto", "tpu", 1, "float32") == "jax"  # the TPU kernel would round K/V
+    assert auto_attention_impl("pallas_tpu_interpret", "cpu", 1, "float32") == "pallas_tpu_interpret"
+
+
 def test_engine_with_pallas_decode_equals_pure_jax() -> None:
     model = make_model()
     rng = np.random.default_rng(3)
@@ -135,6 +167,25 @@ def test_engine_with_pallas_decode_equals_pure_jax() -> None:
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         np.testing.assert_allclose([t.logprob for t in a.outputs[0].logprobs],
                                    [t.logprob for t in b.outputs[0].logprobs], atol=1e-5)
+
+
+def test_engine_with_pallas_tpu_decode_on_a_bfloat16_cache_matches_pure_jax() -> None:
+    """The TPU kernel in a bfloat16 engine (what "auto" picks on TPU): same tokens, logprobs within bfloat16."""
+    f32 = make_model()
+    model = LlamaForCausalLM(dataclasses.replace(f32.config, dtype="bfloat16"), rngs=nnx.Rngs(0))
+    nnx.update(model, jax.tree.map(lambda x: x.astype(jnp.bfloat16), nnx.state(f32, nnx.Param)))
+    rng = np.random.default_rng(5)
+    prompts = [rand_prompt(rng, 21)]  # one sequence: one decode bucket to compile (interpret mode is slow)
+    sp = SamplingParams(temperature=0.0, max_tokens=6, logprobs=1)
+    outs = {}
+    for impl in ("jax", "pallas_tpu_interpret"):
+        engine = Engine.from_model(model, ByteTokenizer(), **ENGINE_KW, attention_backend=impl)
+        assert engine.runner.kv_caches[0].dtype == jnp.bfloat16
+        outs[impl] = engine.generate(prompts, sp)
+    for a, b in zip(outs["jax"], outs["pallas_tpu_interpret"]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        np.testing.assert_allclose([t.logprob for t in a.outputs[0].logprobs],
+                                   [t.logprob for t in b.outputs[0].logprobs], atol=3e-2)
 
 
 def test_bad_attention_backend_is_a_clear_error() -> None:
