@@ -131,7 +131,8 @@ class ModelRunner:
         self.buckets = buckets
         self.max_logprobs = max_logprobs
         self.config = model.config
-        self.drafter = None if draft_head is None else Eagle3Drafter(draft_head, graphdef, kv_spec, buckets, self.mesh)
+        self.drafter = None if draft_head is None else Eagle3Drafter(
+            draft_head, graphdef, (jax.tree.structure(params), jax.tree.structure(rest)), kv_spec, buckets, self.mesh)
 
     @property
     def model(self) -> LlamaForCausalLM:
@@ -144,7 +145,7 @@ class ModelRunner:
         padded, layout = pad_replicas(batch, self.buckets, spec.block_size, spec.num_replicas, spec.blocks_per_replica)
         if self.attention_impl != "jax":
             padded = dataclasses.replace(padded, md=dataclasses.replace(padded.md, impl=self.attention_impl))
-        if self.mesh.size == 1 and self.drafter is None:  # numpy into the call: cheaper than ~20 device_puts
+        if self.mesh.size == 1:  # numpy straight into the call(s): cheaper than a device_put of ~20 small arrays
             device_batch = padded
         else:
             shardings = jax.tree.map(lambda x: self._input_sharding if np.ndim(x) else self._scalar_sharding, padded)
