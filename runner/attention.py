@@ -14,6 +14,7 @@ context per query token), and its cost follows the step's longest live context, 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
@@ -79,9 +80,8 @@ def paged_attention(
     if md.impl not in ATTENTION_IMPLS:
         raise ValueError(f"unknown attention impl {md.impl!r}; choose one of {ATTENTION_IMPLS}")
     if md.impl != "jax" and md.max_q_len == 1 and queries.shape[0] == md.page_indices.shape[0]:
-        decode = _pallas_tpu_decode if md.impl.startswith("pallas_tpu") else _pallas_gpu_decode
-        return decode(queries, kv_pages, md.kv_lens, md.page_indices, sm_scale=sm_scale,
-                      interpret=md.impl.endswith("_interpret"))
+        return _pallas_decode(queries, kv_pages, md.kv_lens, md.page_indices, sm_scale=sm_scale,
+                              platform=md.impl.split("_")[1], interpret=md.impl.endswith("_interpret"))
     return ragged_paged_attention(queries, kv_pages, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
                                   sm_scale=sm_scale, max_q_len=md.max_q_len, num_common_pages=md.num_common_pages)
 
@@ -90,56 +90,39 @@ def _largest_divisor(n: int, options: tuple[int, ...]) -> int:
     return next(d for d in options if n % d == 0)
 
 
-def _pallas_gpu_decode(
+def _pallas_decode(
     queries: Float[Array, "S Hq D"],
     kv_pages: Float[Array, "2 Hkv P page D"],
     kv_lens: Int[Array, "S"],
     page_indices: Int[Array, "S W"],
     *,
     sm_scale: float,
+    platform: str,
     interpret: bool,
 ) -> Float[Array, "S Hq D"]:
-    """One query per sequence through `jax.experimental.pallas.ops.gpu.paged_attention`."""
-    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as pallas_paged_attention
+    """One query per sequence through JAX's Pallas `paged_attention` kernel of `platform` ("gpu" | "tpu").
 
-    pages_per_seq = page_indices.shape[1]
-    k_splits = _largest_divisor(pages_per_seq, (16, 8, 4, 2, 1))
-    per_block = _largest_divisor(pages_per_seq // k_splits, (8, 4, 2, 1))
-    q = (queries.astype(jnp.float32) * sm_scale).astype(queries.dtype)
-    out = pallas_paged_attention(q, kv_pages[0], kv_pages[1], page_indices, kv_lens, k_splits=k_splits,
-                                 pages_per_compute_block=per_block, interpret=interpret)
-    return jnp.where((kv_lens > 0)[:, None, None], out, 0.0).astype(queries.dtype)
-
-
-def _pallas_tpu_decode(
-    queries: Float[Array, "S Hq D"],
-    kv_pages: Float[Array, "2 Hkv P page D"],
-    kv_lens: Int[Array, "S"],
-    page_indices: Int[Array, "S W"],
-    *,
-    sm_scale: float,
-    interpret: bool,
-) -> Float[Array, "S Hq D"]:
-    """One query per sequence through `jax.experimental.pallas.ops.tpu.paged_attention`.
-
-    The kernel DMAs every listed page, so table entries past the cache (padding) are clipped into
-    it; rows without context are zeroed, as the reference does.
+    The TPU kernel DMAs every listed page, so table entries past the cache (padding) are clipped
+    into it. Rows without context are zeroed, as the reference does.
     """
-    from jax.experimental.pallas import tpu as pltpu
-    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as pallas_paged_attention
-
-    per_block = _largest_divisor(page_indices.shape[1], (8, 4, 2, 1))
-    pages = jnp.clip(page_indices, 0, kv_pages.shape[2] - 1)
     q = (queries.astype(jnp.float32) * sm_scale).astype(queries.dtype)
+    pages_per_seq = page_indices.shape[1]
+    if platform == "gpu":
+        from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as gpu_paged_attention
 
-    def run() -> Array:
-        return pallas_paged_attention(q, kv_pages[0], kv_pages[1], kv_lens, pages, pages_per_compute_block=per_block)
-
-    if interpret:
-        with pltpu.force_tpu_interpret_mode():
-            out = run()
+        k_splits = _largest_divisor(pages_per_seq, (16, 8, 4, 2, 1))
+        per_block = _largest_divisor(pages_per_seq // k_splits, (8, 4, 2, 1))
+        out = gpu_paged_attention(q, kv_pages[0], kv_pages[1], page_indices, kv_lens, k_splits=k_splits,
+                                  pages_per_compute_block=per_block, interpret=interpret)
     else:
-        out = run()
+        from jax.experimental.pallas import tpu as pltpu
+        from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_paged_attention
+
+        pages = jnp.clip(page_indices, 0, kv_pages.shape[2] - 1)
+        # Interpret mode applies to the pallas calls traced inside this context (so it works under jit).
+        with pltpu.force_tpu_interpret_mode() if interpret else contextlib.nullcontext():
+            out = tpu_paged_attention(q, kv_pages[0], kv_pages[1], kv_lens, pages,
+                                      pages_per_compute_block=_largest_divisor(pages_per_seq, (8, 4, 2, 1)))
     return jnp.where((kv_lens > 0)[:, None, None], out, 0.0).astype(queries.dtype)
 
 

@@ -114,31 +114,22 @@ def test_write_kv_places_k_and_v_and_drops_out_of_range() -> None:
     assert np.count_nonzero(out) == 2 * 2 * HKV * D
 
 
-def test_pallas_gpu_kernel_reads_the_same_cache() -> None:
-    """JAX's Pallas GPU paged-attention kernel (interpret mode) on our cache equals the reference."""
-    q_lens, kv_lens = [1, 1, 1, 1], [1, 9, 24, 0]  # the last row is padding (no context)
-    queries, kv, tables = random_case(2, q_lens, kv_lens, 6)
-    md = AttentionMetadata(slot_mapping=jnp.zeros(4, jnp.int32), kv_lens=jnp.asarray(kv_lens, jnp.int32),
-                           page_indices=jnp.asarray(tables), cu_q_lens=jnp.arange(5, dtype=jnp.int32),
-                           num_seqs=jnp.asarray([3], jnp.int32), max_q_len=1, impl="pallas_gpu_interpret")
-    got = np.asarray(paged_attention(jnp.asarray(queries), jnp.asarray(kv), md, sm_scale=D ** -0.5))
-    want = reference(queries, kv, q_lens, kv_lens, tables, D ** -0.5)
-    np.testing.assert_allclose(got, want, atol=2e-6)
+@pytest.mark.parametrize("impl", ["pallas_gpu_interpret", "pallas_tpu_interpret"])
+def test_pallas_kernel_reads_the_same_cache(impl: str) -> None:
+    """JAX's Pallas paged-attention kernels (interpret mode; the TPU one under TPU interpret mode on CPU)
+    on our cache equal the reference.
 
-
-def test_pallas_tpu_kernel_reads_the_same_cache() -> None:
-    """JAX's Pallas TPU paged-attention kernel (TPU interpret mode on CPU) on our cache equals the reference.
-
-    The kernel rounds K and V to bfloat16 inside, so the cache holds bfloat16-representable values
-    (as a bfloat16 cache does); then only the float32 summation order differs.
+    The TPU kernel rounds K and V to bfloat16 inside, so for it the cache holds bfloat16-representable
+    values (as a bfloat16 cache does); then only the float32 summation order differs.
     """
     q_lens, kv_lens = [1, 1, 1, 1], [1, 9, 24, 0]  # the last row is padding (no context)
     queries, kv, tables = random_case(2, q_lens, kv_lens, 6)
-    kv = np.asarray(jnp.asarray(kv).astype(jnp.bfloat16).astype(jnp.float32))
-    tables[3] = NUM_PAGES  # a padding row's table points past the cache
+    if impl == "pallas_tpu_interpret":
+        kv = np.asarray(jnp.asarray(kv).astype(jnp.bfloat16).astype(jnp.float32))
+        tables[3] = NUM_PAGES  # a padding row's table pointing past the cache (the TPU kernel DMAs it)
     md = AttentionMetadata(slot_mapping=jnp.zeros(4, jnp.int32), kv_lens=jnp.asarray(kv_lens, jnp.int32),
                            page_indices=jnp.asarray(tables), cu_q_lens=jnp.arange(5, dtype=jnp.int32),
-                           num_seqs=jnp.asarray([3], jnp.int32), max_q_len=1, impl="pallas_tpu_interpret")
+                           num_seqs=jnp.asarray([3], jnp.int32), max_q_len=1, impl=impl)
     got = np.asarray(paged_attention(jnp.asarray(queries), jnp.asarray(kv), md, sm_scale=D ** -0.5))
     want = reference(queries, kv, q_lens, kv_lens, tables, D ** -0.5)
     np.testing.assert_allclose(got, want, atol=2e-6)
