@@ -1,9 +1,9 @@
 """The device step: padded inputs -> one jitted call (model over the paged KV cache + sampling) -> ids.
 
 The runner never sees a request object: `StepBatch` is a handful of numpy arrays describing one
-step. It pads them to a bucket (`runner.buckets`), moves them to the device in one transfer, runs
-the compiled program for that bucket (the KV caches are donated and updated in place) and brings
-back only the sampled ids and logprobs.
+step. It pads them to a bucket (`runner.buckets`), hands them to the compiled program for that bucket
+(straight from numpy on one device, one `device_put` onto the mesh otherwise; the KV caches are
+donated and updated in place) and brings back only the sampled ids and logprobs.
 """
 
 from __future__ import annotations
