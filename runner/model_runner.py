@@ -116,8 +116,8 @@ class ModelRunner:
             raise ValueError(f"the KV cache has {kv_spec.num_replicas} replica(s) but the mesh's data axis is "
                              f"{self.mesh.shape['data']}")
         self.graphdef = graphdef
-        # looked up once: hashing a GraphDef per step costs ~10 ms
-        self._step_fn = _compiled_step(graphdef, jax.tree.structure(params), jax.tree.structure(rest))
+        defs = (jax.tree.structure(params), jax.tree.structure(rest))
+        self._step_fn = _compiled_step(graphdef, *defs)  # looked up once: hashing a GraphDef per step costs ~10 ms
         # The runner owns its copy (a trainer may update or donate its arrays at any time), laid out
         # by the sharding rules; device_put to a new sharding copies, so copy explicitly otherwise.
         self.params = shard_params(jax.tree.map(lambda x: x.copy(), params), self.mesh)
@@ -131,8 +131,8 @@ class ModelRunner:
         self.buckets = buckets
         self.max_logprobs = max_logprobs
         self.config = model.config
-        self.drafter = None if draft_head is None else Eagle3Drafter(
-            draft_head, graphdef, (jax.tree.structure(params), jax.tree.structure(rest)), kv_spec, buckets, self.mesh)
+        self.drafter = None if draft_head is None else Eagle3Drafter(draft_head, graphdef, defs, kv_spec, buckets,
+                                                                     self.mesh)
 
     @property
     def model(self) -> LlamaForCausalLM:
@@ -150,14 +150,14 @@ class ModelRunner:
         else:
             shardings = jax.tree.map(lambda x: self._input_sharding if np.ndim(x) else self._scalar_sharding, padded)
             device_batch = jax.device_put(padded, shardings)
-        # Leaves taken per step (not cached), so a `sync_weights` that updates `self.params` in place is seen.
+        leaves = self._leaves()
         self.kv_caches, out, extra, aux = self._step_fn(
-            jax.tree.leaves(self.params), jax.tree.leaves(self.rest), self.kv_caches, device_batch,
+            *leaves, self.kv_caches, device_batch,
             num_top=self.max_logprobs if batch.num_top_logprobs > 0 else 0,
             token_logprobs=batch.target_ids is not None,
             aux_layers=self.drafter.aux_layers if self.drafter is not None else ())
         if self.drafter is not None:  # the head's cache follows every target step, on the device
-            self.drafter.fill(self.params, self.rest, aux, device_batch)
+            self.drafter.fill(leaves, aux, device_batch)
         out, extra = jax.device_get((out, extra))
         k, rows, tokens = batch.num_top_logprobs, layout.row_index, layout.token_index
         result = StepResult(out.token_ids[rows], out.logprobs[rows], out.top_ids[rows, :k], out.top_logprobs[rows, :k])
@@ -167,11 +167,16 @@ class ModelRunner:
                 token_top_logprobs=extra.top_logprobs[tokens, :k])
         return result
 
+    def _leaves(self) -> tuple[list[Array], list[Array]]:
+        """Params and rest as the flat leaf lists the compiled programs take; taken per call (not
+        cached), so a `sync_weights` that updates `self.params` in place is seen."""
+        return jax.tree.leaves(self.params), jax.tree.leaves(self.rest)
+
     def draft(self, request: DraftRequest, num_steps: int) -> np.ndarray:
         """`[S, num_steps]` EAGLE-3 drafts for a decode batch (needs a `draft_head`)."""
         if self.drafter is None:
             raise RuntimeError("this runner has no draft head")
-        return self.drafter.propose(self.params, self.rest, request, num_steps)
+        return self.drafter.propose(self._leaves(), request, num_steps)
 
     def warmup(self, *, prompt_logprobs: bool = False, speculative_k: int = 0, rejection: bool = False) -> int:
         """Compile every bucket by running dummy steps whose K/V writes are all dropped; returns the count.
@@ -202,7 +207,7 @@ class ModelRunner:
                     self.run(step)
                     count += 1
             if self.drafter is not None:
-                count += self.drafter.warmup(self.params, self.rest, speculative_k)
+                count += self.drafter.warmup(self._leaves(), speculative_k)
         return count
 
     def _dummy_verify(self, n: int, pages: int, k: int, num_top: int) -> StepBatch:

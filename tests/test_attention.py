@@ -6,7 +6,6 @@ attention in float64; the kernels under test read the paged cache `[2, Hkv, page
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 
@@ -163,7 +162,7 @@ def test_engine_with_pallas_decode_equals_pure_jax() -> None:
 def test_engine_with_pallas_tpu_decode_on_a_bfloat16_cache_matches_pure_jax() -> None:
     """The TPU kernel in a bfloat16 engine (what "auto" picks on TPU): same tokens, logprobs within bfloat16."""
     f32 = make_model()
-    model = LlamaForCausalLM(dataclasses.replace(f32.config, dtype="bfloat16"), rngs=nnx.Rngs(0))
+    model = LlamaForCausalLM(f32.config.with_dtype("bfloat16"), rngs=nnx.Rngs(0))
     nnx.update(model, jax.tree.map(lambda x: x.astype(jnp.bfloat16), nnx.state(f32, nnx.Param)))
     rng = np.random.default_rng(5)
     prompts = [rand_prompt(rng, 21)]  # one sequence: one decode bucket to compile (interpret mode is slow)

@@ -46,6 +46,7 @@ class DraftRequest:
 # Tree structures of (head params, head rest, target params, target rest): the jitted programs take
 # flat leaf lists, which jit handles ~2x faster per call than `nnx.State`s (see `runner.model_runner`).
 TreeDefs = tuple[PyTreeDef, PyTreeDef, PyTreeDef, PyTreeDef]
+TargetLeaves = tuple[list[Array], list[Array]]  # the target's params and rest as leaf lists (`ModelRunner`)
 
 
 def _merge(graphdef: nnx.GraphDef, params_def: PyTreeDef, rest_def: PyTreeDef, params: list[Array],
@@ -125,21 +126,20 @@ class Eagle3Drafter:
     def head(self) -> Eagle3Head:
         return nnx.merge(self.graphdef, self.params, self.rest)
 
-    def fill(self, params: nnx.State, rest: nnx.State, aux: Float[Array, "R T A"], batch: DeviceBatch) -> None:
+    def fill(self, target: TargetLeaves, aux: Float[Array, "R T A"], batch: DeviceBatch) -> None:
         """Store what the target step just computed (device arrays in, nothing comes back)."""
-        self.cache = self._fill_fn(*self._leaves(params, rest), self.cache, aux, batch)
+        self.cache = self._fill_fn(*self._head_leaves(), *target, self.cache, aux, batch)
 
-    def propose(self, params: nnx.State, rest: nnx.State, request: DraftRequest, num_steps: int) -> np.ndarray:
+    def propose(self, target: TargetLeaves, request: DraftRequest, num_steps: int) -> np.ndarray:
         """`[S, num_steps]` greedy drafts (target ids) in the request's order."""
         inputs, index = self._pad(request)
         inputs = jax.device_put(inputs, self._input_sharding)
-        self.cache, drafts = self._draft_fn(*self._leaves(params, rest), self.cache, *inputs,
-                                            num_steps=num_steps)
+        self.cache, drafts = self._draft_fn(*self._head_leaves(), *target, self.cache, *inputs, num_steps=num_steps)
         return np.asarray(jax.device_get(drafts)).reshape(-1, num_steps)[index]
 
-    def _leaves(self, params: nnx.State, rest: nnx.State) -> tuple[list[Array], ...]:
-        """Head and target parameters as flat leaf lists, taken per call (in-place syncs are seen)."""
-        return tuple(jax.tree.leaves(x) for x in (self.params, self.rest, params, rest))
+    def _head_leaves(self) -> tuple[list[Array], list[Array]]:
+        """The head's parameters as flat leaf lists, taken per call (in-place syncs are seen)."""
+        return jax.tree.leaves(self.params), jax.tree.leaves(self.rest)
 
     def _pad(self, request: DraftRequest) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
         spec = self.kv_spec
@@ -162,12 +162,12 @@ class Eagle3Drafter:
                 index[s] = r * rows + j
         return (tokens, positions, pages, num_seqs), index
 
-    def warmup(self, params: nnx.State, rest: nnx.State, num_steps: int) -> int:
+    def warmup(self, target: TargetLeaves, num_steps: int) -> int:
         """Compile the draft program of every decode bucket (all writes dropped); returns the count."""
         count = 0
         for n in self.buckets.seq_buckets:
             drop = self.kv_spec.num_blocks  # past every replica's blocks
             request = DraftRequest(np.zeros(n, np.int32), np.zeros(n, np.int32), [[drop]] * n)
-            self.propose(params, rest, request, num_steps)
+            self.propose(target, request, num_steps)
             count += 1
         return count
