@@ -3,7 +3,8 @@
 Prompt i: a fixed paragraph of ~150 tokens followed by `Repeat the paragraph above exactly:`, sent as
 one user message through the tokenizer's chat template (`--no-chat` sends the raw text instead).
 B in {1, 8} prompts, greedy, 128 new tokens (max_tokens = 128; a sequence may stop at EOS), on the
-embedded SmolLM2-135M-Instruct in float32. Both engines live in one process and run back to back
+embedded SmolLM2-135M-Instruct in float32. The plain engine has its defaults (multi-step decode,
+8 steps per device call; a speculative engine verifies every step, so it runs one). Both engines live in one process and run back to back
 on the same prompts: tokens/s = generated tokens / wall seconds of the whole generate call, median
 of `--repeats` after `engine.warmup()` and one untimed warm-up call; the prefix cache is cleared before every call. Reports the
 ratio, mean tokens emitted per sequence per verification step, the acceptance rate, the share of
@@ -114,7 +115,7 @@ def main() -> None:
     drafter = f"EAGLE-3 {args.eagle}" if args.eagle else "n-gram"
     print(f"{args.workload.upper()} speculative decoding ({drafter}): k={args.k}, auto_disable={spec_cfg.auto_disable}, "
           f"chat={not args.no_chat and not r1}, {args.max_tokens} new tokens, median of {args.repeats}; "
-          f"{bc.cpu_settings()}")
+          f"plain engine: num_scheduler_steps={plain.config.num_scheduler_steps} (its default); {bc.cpu_settings()}")
 
     rows, runs = [], []
     for batch, (mode, sp_kw) in [(b, m) for b in args.batch_sizes for m in modes]:
@@ -162,7 +163,8 @@ def main() -> None:
 
     bc.print_table(["B", "mode", "new tokens", "plain tok/s", "spec tok/s", "ratio", "tokens/step", "accept rate",
                     "disabled", "identical"], rows)
-    print(bc.json_line(dict(bench=f"spec-{args.workload.upper()}", drafter=drafter, k=args.k, auto_disable=spec_cfg.auto_disable, chat=not args.no_chat and not r1,
+    print(bc.json_line(dict(bench=f"spec-{args.workload.upper()}", drafter=drafter, k=args.k, auto_disable=spec_cfg.auto_disable,
+                            plain_num_scheduler_steps=plain.config.num_scheduler_steps, chat=not args.no_chat and not r1,
                             max_tokens=args.max_tokens, repeats=args.repeats, runs=runs,
                             all_identical=all(r["identical"] for r in runs)), args.json_out))
 

@@ -34,7 +34,7 @@ import sys
 import time
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 if __package__ in (None, ""):  # `python examples/grpo.py` from the repo root
     sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -72,7 +72,8 @@ class Engine:
         if isinstance(spec, Eagle3Config):
             draft_head = load_eagle3_head(spec.path, cfg, aux_layer_ids=spec.aux_layer_ids)
         self.runner = ModelRunner(model, kv_spec, buckets, max_logprobs=config.max_logprobs, mesh=device_mesh,
-                                  attention_impl=attention_impl, draft_head=draft_head)
+                                  attention_impl=attention_impl, draft_head=draft_head,
+                                  num_scheduler_steps=config.num_scheduler_steps)
         self.block_manager = BlockManager(kv_spec.num_blocks, block_size, num_replicas=num_replicas,
                                           enable_prefix_caching=config.enable_prefix_caching)
         self.speculator = None if spec is None else Speculator(
@@ -81,7 +82,8 @@ class Engine:
         self._rejection = spec is not None and spec.verification == "rejection"
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    config.max_model_len, decode_steps=1 + (spec.k if spec else 0),
-                                                   num_replicas=num_replicas),
+                                                   num_replicas=num_replicas,
+                                                   num_scheduler_steps=config.num_scheduler_steps),
                                    self.block_manager)
         self.outputs = OutputProcessor(self.scheduler, tokenizer, self.eos_token_ids, config.max_model_len)
         self.rng = np.random.default_rng(config.seed)
@@ -146,7 +148,8 @@ class Engine:
         batch = self.scheduler.schedule()
         drafts = self.speculator.propose(batch) if self.speculator is not None else None
         start = time.perf_counter()
-        result = self.runner.run(build_step(batch, self.eos_token_ids, drafts, rejection=self._rejection))
+        result = self.runner.run(build_step(batch, self.eos_token_ids, drafts, rejection=self._rejection,
+                                            multi_step=self.config.num_scheduler_steps > 1))
         if drafts is None:
             finished = self.outputs.process(batch, result)
         else:

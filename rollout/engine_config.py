@@ -11,6 +11,12 @@ from runner.spec_decode.eagle3_config import Eagle3Config
 from runner.spec_decode.ngram import NgramConfig
 
 
+# Decode steps per device call by default: 1.09-1.14x tokens/s at B = 1 and 8 on a 2-core CPU,
+# ~1.0-1.1x at B = 64 (examples/bench_multi_step.py); more steps per call save less and delay
+# new requests longer.
+DEFAULT_SCHEDULER_STEPS = 8
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Budgets and cache sizes (vLLM names). KV size: `kv_cache_blocks`, or a byte budget, or
@@ -33,7 +39,10 @@ class EngineConfig:
     # "auto": JAX's Pallas paged-attention kernel for decode steps on a GPU without tensor
     # parallelism, the pure-JAX kernel otherwise; or one of runner.attention.ATTENTION_IMPLS.
     attention_backend: str = "auto"
-
+    # Multi-step decode (vLLM's name): up to this many decode steps per device call, the sampled
+    # tokens fed back on the device; the host sees the batch (stops, new requests) once per call.
+    # None: DEFAULT_SCHEDULER_STEPS without speculative decoding, 1 with it (they do not combine).
+    num_scheduler_steps: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "block_size"):
@@ -51,6 +60,13 @@ class EngineConfig:
             raise ValueError(f"speculative k must be <= 7 (a verification row holds 8 tokens), got {self.speculative.k}")
         if self.attention_backend not in ("auto", *ATTENTION_IMPLS):
             raise ValueError(f"attention_backend must be 'auto' or one of {ATTENTION_IMPLS}, got {self.attention_backend!r}")
+        if self.num_scheduler_steps is None:  # resolved here, so the engine reads one number
+            object.__setattr__(self, "num_scheduler_steps", 1 if self.speculative is not None else DEFAULT_SCHEDULER_STEPS)
+        if not isinstance(self.num_scheduler_steps, int) or not 1 <= self.num_scheduler_steps <= 64:
+            raise ValueError(f"num_scheduler_steps must be an integer in [1, 64], got {self.num_scheduler_steps!r}")
+        if self.num_scheduler_steps > 1 and self.speculative is not None:
+            raise ValueError("num_scheduler_steps > 1 cannot be combined with speculative decoding (a verification "
+                             "step needs the host between steps); use one or the other")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
 
@@ -61,9 +77,9 @@ class EngineStats:
 
     num_steps: int = 0
     num_prefill_steps: int = 0
-    num_decode_steps: int = 0
+    num_decode_steps: int = 0  # decode calls: each runs up to `num_scheduler_steps` steps
     prefill_tokens: int = 0
-    decode_tokens: int = 0
+    decode_tokens: int = 0  # decode steps scheduled, summed over sequences
     generated_tokens: int = 0
     num_sequences: int = 0
     num_preemptions: int = 0

@@ -23,6 +23,8 @@ class OutputProcessor:
 
     def process(self, batch: ScheduledBatch, result: StepResult) -> list[Sequence]:
         """Apply one step's results; returns the sequences that finished."""
+        if result.steps > 1:
+            return self._process_steps(batch, result)
         finished: list[Sequence] = []
         offset = 0
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
@@ -36,6 +38,20 @@ class OutputProcessor:
                 self.scheduler.mark_prefilled(seq)
             if self._emit(seq, result, i):
                 finished.append(seq)
+        return finished
+
+    def _process_steps(self, batch: ScheduledBatch, result: StepResult) -> list[Sequence]:
+        """A multi-step decode call: each sequence takes its steps' tokens until one stops it (the
+        K/V its later steps wrote lies past its end and is never read)."""
+        finished: list[Sequence] = []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            if seq.num_output_tokens == 0:  # its prompt's last token was computed here: siblings may share it
+                self.scheduler.mark_prefilled(seq)
+            for t in range(n):
+                seq.num_computed_tokens += 1
+                if self._emit(seq, result, i * result.steps + t):
+                    finished.append(seq)
+                    break
         return finished
 
     def process_verified(self, batch: ScheduledBatch, result: StepResult, drafts: list[np.ndarray]

@@ -28,18 +28,24 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
-    decode_steps: int = 1  # tokens a decode step may produce per sequence (multi-step / speculation)
+    decode_steps: int = 1  # tokens a decode step may produce per sequence (speculation: k + 1)
     num_replicas: int = 1  # data-parallel replicas; the two budgets above apply to each
+    num_scheduler_steps: int = 1  # multi-step decode: decode steps per call, each sequence's count in num_new_tokens
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "decode_steps", "num_replicas"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "decode_steps", "num_replicas",
+                     "num_scheduler_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 @dataclasses.dataclass(frozen=True)
 class ScheduledBatch:
-    """One step's work: the sequences and how many of their pending tokens each computes."""
+    """One step's work: the sequences and how many of their pending tokens each computes.
+
+    In a multi-step decode batch (`num_scheduler_steps > 1`), `num_new_tokens` is the number of
+    decode steps each sequence runs in the call (one token's K/V computed and one sampled per step).
+    """
 
     is_prefill: bool
     seqs: list[Sequence]
@@ -126,12 +132,15 @@ class Scheduler:
         return max(fits, key=lambda r: (self.block_manager.num_cached_blocks(seq, r), -running[r], -r))
 
     def _schedule_decode(self) -> ScheduledBatch:
-        """Every running sequence computes its last token; room is made for `decode_steps` tokens."""
+        """Every running sequence computes its last token; room is made for `decode_steps` tokens
+        (or, multi-step, for as many steps as it may still take, up to `num_scheduler_steps`)."""
         scheduled: list[Sequence] = []
+        steps: list[int] = []
         for seq in sorted(self.running, key=lambda s: s.arrival):
             if seq.status != SequenceStatus.RUNNING:  # preempted below to make room for an older one
                 continue
-            extra = min(self.config.decode_steps - 1, self.config.max_model_len - seq.num_tokens)
+            num_steps = max(1, min(self.config.num_scheduler_steps, seq.max_new_tokens(self.config.max_model_len)))
+            extra = max(num_steps - 1, min(self.config.decode_steps - 1, self.config.max_model_len - seq.num_tokens))
             while not self.block_manager.can_append(seq, extra):
                 same_replica = [s for s in self.running if s.replica == seq.replica]
                 victim = max(same_replica, key=lambda s: s.arrival)
@@ -145,8 +154,9 @@ class Scheduler:
             if seq.status == SequenceStatus.RUNNING:
                 self.block_manager.append(seq, extra)
                 scheduled.append(seq)
-        scheduled = [s for s in scheduled if s.status == SequenceStatus.RUNNING]
-        return ScheduledBatch(False, scheduled, [1] * len(scheduled))
+                steps.append(num_steps)
+        kept = [i for i, s in enumerate(scheduled) if s.status == SequenceStatus.RUNNING]
+        return ScheduledBatch(False, [scheduled[i] for i in kept], [steps[i] for i in kept])
 
     def preempt(self, seq: Sequence) -> None:
         """Free a running sequence's blocks and put it back at the head of the queue."""

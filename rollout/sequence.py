@@ -60,6 +60,10 @@ class Sequence:
         """True while tokens other than the last one still lack K/V (a decode step computes exactly one)."""
         return self.num_tokens - self.num_computed_tokens > 1
 
+    def max_new_tokens(self, max_model_len: int) -> int:
+        """Tokens it may still generate before `max_tokens` or `max_model_len` stops it."""
+        return min(self.params.max_tokens - self.num_output_tokens, max_model_len - self.num_tokens)
+
     @property
     def wants_prompt_logprobs(self) -> bool:
         return self.params.prompt_logprobs is not None

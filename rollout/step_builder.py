@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from rollout.scheduler import ScheduledBatch
@@ -17,10 +19,22 @@ def suppressed_ids(seq: Sequence, eos_token_ids: tuple[int, ...]) -> list[int]:
 
 
 def build_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...],
-               drafts: list[np.ndarray] | None = None, *, rejection: bool = False) -> StepBatch:
-    """Pack the scheduled tokens of every sequence, with their sampling settings (pure numpy)."""
+               drafts: list[np.ndarray] | None = None, *, rejection: bool = False, multi_step: bool = False) -> StepBatch:
+    """Pack the scheduled tokens of every sequence, with their sampling settings (pure numpy).
+
+    `multi_step`: a decode batch becomes one multi-step call (`batch.num_new_tokens` = steps per sequence).
+    """
     if drafts is not None:
         return build_verify_step(batch, eos_token_ids, drafts, rejection=rejection)
+    if multi_step and not batch.is_prefill:
+        one = build_step(ScheduledBatch(False, batch.seqs, [1] * len(batch.seqs)), eos_token_ids)
+        suppress_steps = [max(0, s.params.min_tokens - s.num_output_tokens) for s in batch.seqs]
+        stop_ids = np.full((len(batch.seqs), MAX_SUPPRESS), -1, np.int32)
+        for i, seq in enumerate(batch.seqs):  # only lets the device stop early: the host applies every stop rule
+            ids = list(dict.fromkeys([*(() if seq.params.ignore_eos else eos_token_ids), *seq.params.stop_token_ids]))
+            stop_ids[i, :min(len(ids), MAX_SUPPRESS)] = ids[:MAX_SUPPRESS]
+        return dataclasses.replace(one, num_steps=np.asarray(batch.num_new_tokens, np.int32),
+                                   suppress_steps=np.asarray(suppress_steps, np.int32), stop_ids=stop_ids)
     seqs, counts = batch.seqs, np.asarray(batch.num_new_tokens, np.int32)
     starts = np.array([s.num_computed_tokens for s in seqs], np.int32)
     kv_lens = starts + counts

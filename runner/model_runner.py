@@ -1,35 +1,34 @@
-"""The device step: padded inputs -> one jitted call (model over the paged KV cache + sampling) -> ids.
+"""The device step's host side: padded inputs -> one jitted call (`runner.step_program`) -> ids.
 
 The runner never sees a request object: `StepBatch` is a handful of numpy arrays describing one
 step. It pads them to a bucket (`runner.buckets`), hands them to the compiled program for that bucket
 (straight from numpy on one device, one `device_put` onto the mesh otherwise; the KV caches are
-donated and updated in place) and brings back only the sampled ids and logprobs.
+donated and updated in place) and brings back only the sampled ids and logprobs. A multi-step
+decode batch (`StepBatch.num_steps`) goes to the program that runs several decode steps per call.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array
 
-from runner.attention import ATTENTION_IMPLS, AttentionMetadata
+from runner.attention import ATTENTION_IMPLS
 from runner.buckets import BucketConfig
 from runner.kv_cache import KVCacheSpec, allocate_kv_caches
-from runner.models.llama import KVCaches, LlamaForCausalLM
-from runner.sampler import SamplerOutput, sample
+from runner.models.llama import LlamaForCausalLM
 from runner.sharding import kv_cache_sharding, make_mesh, shard_params
 from runner.spec_decode.eagle3 import Eagle3Head
 from runner.spec_decode.eagle3_drafter import DraftRequest, Eagle3Drafter
 from runner.step_inputs import (  # noqa: F401  (StepBatch, MAX_SUPPRESS: re-exported for the engine)
-    MAX_SUPPRESS, SAMPLER_MODES, DeviceBatch, StepBatch, pad_replicas)
+    MAX_SUPPRESS, DeviceBatch, StepBatch, pad_replicas)
+from runner.step_program import compiled_chunk, compiled_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,59 +42,7 @@ class StepResult:
     token_logprobs: np.ndarray | None = None  # [T] raw logprob of target_ids[t] after token t
     token_top_ids: np.ndarray | None = None  # [T, K]
     token_top_logprobs: np.ndarray | None = None  # [T, K]
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class TokenLogprobs:
-    """Per-token raw logprobs of given next tokens (prompt logprobs)."""
-
-    logprobs: Float[Array, "T"]
-    top_ids: Int[Array, "T K"]
-    top_logprobs: Float[Array, "T K"]
-
-
-def _step(graphdef: nnx.GraphDef, params_def: jax.tree_util.PyTreeDef, rest_def: jax.tree_util.PyTreeDef,
-          param_leaves: list[Array], rest_leaves: list[Array], kv_caches: KVCaches, batch: DeviceBatch,
-          *, num_top: int, token_logprobs: bool, aux_layers: tuple[int, ...] = ()
-          ) -> tuple[KVCaches, SamplerOutput, TokenLogprobs | None, Float[Array, "R T A"]]:
-    params, rest = jax.tree.unflatten(params_def, param_leaves), jax.tree.unflatten(rest_def, rest_leaves)
-    model: LlamaForCausalLM = nnx.merge(graphdef, params, rest)
-
-    def replica_forward(token_ids: Array, positions: Array, kv: KVCaches, md: AttentionMetadata,
-                        logits_indices: Array) -> tuple[Array, Array, KVCaches, Array]:
-        hidden, kv, aux = model.forward_paged(token_ids, positions, kv, md, aux_layers)
-        return hidden, hidden[logits_indices], kv, aux
-
-    args = (batch.token_ids, batch.positions, kv_caches, batch.md, batch.logits_indices)
-    if kv_caches[0].shape[0] == 1:  # one replica: no vmap, the plain program
-        hidden, rows_hidden, kv, aux = replica_forward(*jax.tree.map(lambda x: x[0], args))
-        hidden, rows_hidden, kv_caches, aux = jax.tree.map(lambda x: x[None], (hidden, rows_hidden, kv, aux))
-    else:  # data parallel: each replica (a slice of the `data` axis) over its own KV blocks
-        hidden, rows_hidden, kv_caches, aux = jax.vmap(replica_forward)(*args)
-    flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731  [R, N, ...] -> [R * N, ...]
-    logits = model.compute_logits(flat(rows_hidden))
-    branches = [functools.partial(sample, mode=m, num_top_logprobs=num_top) for m in SAMPLER_MODES]
-    out = jax.lax.switch(batch.mode, branches, logits, jax.tree.map(flat, batch.sampling))
-    extra = None
-    if token_logprobs:
-        logp = jax.nn.log_softmax(model.compute_logits(flat(hidden)), axis=-1)
-        target = jnp.clip(flat(batch.target_ids), 0, logp.shape[-1] - 1)
-        top_lp, top_ids = jax.lax.top_k(logp, num_top)
-        extra = TokenLogprobs(jnp.take_along_axis(logp, target[:, None], axis=-1)[:, 0], top_ids, top_lp)
-    return kv_caches, out, extra, aux
-
-
-@functools.lru_cache(maxsize=None)
-def _compiled_step(graphdef: nnx.GraphDef, params_def: jax.tree_util.PyTreeDef, rest_def: jax.tree_util.PyTreeDef
-                   ) -> Callable[..., tuple[KVCaches, SamplerOutput, TokenLogprobs | None, Array]]:
-    """The jitted step of one model structure: engines over the same structure share compiled programs.
-
-    It takes the parameters as flat lists of arrays, not `nnx.State`s: jit's per-call argument
-    handling of ~300 `nnx.Variable` nodes cost ~1.5 ms per step on CPU (a B=1 decode step is ~35 ms).
-    """
-    return jax.jit(functools.partial(_step, graphdef, params_def, rest_def),
-                   static_argnames=("num_top", "token_logprobs", "aux_layers"), donate_argnums=(2,))
+    steps: int = 1  # rows per sequence: a multi-step decode call's row i * steps + t is sequence i's step t
 
 
 class ModelRunner:
@@ -103,7 +50,10 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, kv_spec: KVCacheSpec, buckets: BucketConfig,
                  *, max_logprobs: int = 20, mesh: Mesh | None = None, attention_impl: str = "jax",
-                 draft_head: Eagle3Head | None = None) -> None:
+                 draft_head: Eagle3Head | None = None, num_scheduler_steps: int = 1) -> None:
+        if num_scheduler_steps < 1 or (num_scheduler_steps > 1 and draft_head is not None):
+            raise ValueError(f"num_scheduler_steps must be >= 1 and 1 with a draft head, got {num_scheduler_steps}")
+        self.num_scheduler_steps = num_scheduler_steps
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         self.mesh = mesh if mesh is not None else make_mesh(None)
         if attention_impl not in ATTENTION_IMPLS:
@@ -117,7 +67,8 @@ class ModelRunner:
                              f"{self.mesh.shape['data']}")
         self.graphdef = graphdef
         defs = (jax.tree.structure(params), jax.tree.structure(rest))
-        self._step_fn = _compiled_step(graphdef, *defs)  # looked up once: hashing a GraphDef per step costs ~10 ms
+        self._step_fn = compiled_step(graphdef, *defs)  # looked up once: hashing a GraphDef per step costs ~10 ms
+        self._chunk_fn = compiled_chunk(graphdef, *defs)
         # The runner owns its copy (a trainer may update or donate its arrays at any time), laid out
         # by the sharding rules; device_put to a new sharding copies, so copy explicitly otherwise.
         self.params = shard_params(jax.tree.map(lambda x: x.copy(), params), self.mesh)
@@ -151,10 +102,12 @@ class ModelRunner:
             shardings = jax.tree.map(lambda x: self._input_sharding if np.ndim(x) else self._scalar_sharding, padded)
             device_batch = jax.device_put(padded, shardings)
         leaves = self._leaves()
+        num_top = self.max_logprobs if batch.num_top_logprobs > 0 else 0
+        if batch.num_steps is not None:
+            return self._run_chunk(batch, leaves, device_batch, layout.row_index, num_top)
         self.kv_caches, out, extra, aux = self._step_fn(
             *leaves, self.kv_caches, device_batch,
-            num_top=self.max_logprobs if batch.num_top_logprobs > 0 else 0,
-            token_logprobs=batch.target_ids is not None,
+            num_top=num_top, token_logprobs=batch.target_ids is not None,
             aux_layers=self.drafter.aux_layers if self.drafter is not None else ())
         if self.drafter is not None:  # the head's cache follows every target step, on the device
             self.drafter.fill(leaves, aux, device_batch)
@@ -166,6 +119,21 @@ class ModelRunner:
                 result, token_logprobs=extra.logprobs[tokens], token_top_ids=extra.top_ids[tokens, :k],
                 token_top_logprobs=extra.top_logprobs[tokens, :k])
         return result
+
+    def _run_chunk(self, batch: StepBatch, leaves: tuple[list[Array], list[Array]], device_batch: DeviceBatch,
+                   rows: np.ndarray, num_top: int) -> StepResult:
+        """A multi-step decode call: rows come back sequence-major, `steps` per sequence."""
+        if self.drafter is not None or not batch.is_decode:
+            raise ValueError("multi-step decode takes plain decode batches of an engine without a draft head")
+        steps = self.num_scheduler_steps
+        if int(np.max(batch.num_steps, initial=1)) > steps:
+            raise ValueError(f"a sequence asks for {int(np.max(batch.num_steps))} steps; this runner runs at most {steps}")
+        self.kv_caches, out = self._chunk_fn(*leaves, self.kv_caches, device_batch, num_top=num_top, max_steps=steps)
+        out = jax.device_get(out)
+        k = batch.num_top_logprobs
+        seq_major = lambda x: np.swapaxes(x[:, rows], 0, 1).reshape(len(rows) * steps, *x.shape[2:])  # noqa: E731
+        return StepResult(seq_major(out.token_ids), seq_major(out.logprobs), seq_major(out.top_ids[..., :k]),
+                          seq_major(out.top_logprobs[..., :k]), steps=steps)
 
     def _leaves(self) -> tuple[list[Array], list[Array]]:
         """Params and rest as the flat leaf lists the compiled programs take; taken per call (not
@@ -224,6 +192,7 @@ class ModelRunner:
             q_lens=np.full(num_seqs, q_len, np.int32), temperature=rep(base.temperature), top_k=rep(base.top_k),
             top_p=rep(base.top_p), min_p=rep(base.min_p), seeds=rep(base.seeds), sample_index=rep(base.sample_index),
             processed=rep(base.processed), suppress_ids=rep(base.suppress_ids), num_top_logprobs=num_top,
+            num_steps=None, suppress_steps=None, stop_ids=None,
             logits_indices=np.arange(rows, dtype=np.int32))
 
     def _dummy(self, decode: bool, n: int, pages: int) -> StepBatch:
@@ -239,9 +208,13 @@ class ModelRunner:
         positions = np.concatenate([np.arange(k - q, k) for k, q in zip(kv_lens, q_lens)]).astype(np.int32)
         ones = np.ones(num_seqs, np.float32)
         drop = self.kv_spec.blocks_per_replica  # past replica 0's blocks: every write is dropped
+        chunk = decode and self.num_scheduler_steps > 1  # decode steps run as (one-step) chunks
         return StepBatch(
             token_ids=np.zeros(len(positions), np.int32), positions=positions, q_lens=q_lens, kv_lens=kv_lens,
             block_tables=[[drop] * pages] * num_seqs, temperature=ones, top_k=np.zeros(num_seqs, np.int32),
             top_p=ones, min_p=0 * ones, seeds=np.zeros(num_seqs, np.uint32),
             sample_index=np.zeros(num_seqs, np.int32), processed=np.zeros(num_seqs, bool),
-            suppress_ids=np.full((num_seqs, MAX_SUPPRESS), -1, np.int32))
+            suppress_ids=np.full((num_seqs, MAX_SUPPRESS), -1, np.int32),
+            num_steps=np.ones(num_seqs, np.int32) if chunk else None,
+            suppress_steps=np.zeros(num_seqs, np.int32) if chunk else None,
+            stop_ids=np.full((num_seqs, MAX_SUPPRESS), -1, np.int32) if chunk else None)

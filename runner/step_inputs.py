@@ -48,6 +48,11 @@ class StepBatch:
     logits_indices: np.ndarray | None = None
     replicas: np.ndarray | None = None  # [S] data-parallel replica of each sequence; None = all on 0
     draft_ids: np.ndarray | None = None  # [N] draft token each sampled row verifies by rejection sampling (-1 none)
+    # Multi-step decode (a decode batch only): the step runs up to max(num_steps) decode steps in one
+    # device loop, feeding each sampled token back. None = one plain step.
+    num_steps: np.ndarray | None = None  # [S] decode steps of each sequence in this call (>= 1)
+    suppress_steps: np.ndarray | None = None  # [S] of those, how many keep `suppress_ids` forbidden (min_tokens)
+    stop_ids: np.ndarray | None = None  # [S, MAX_SUPPRESS] ids that end the sequence (EOS, stop ids), -1 = none
 
     @property
     def is_decode(self) -> bool:
@@ -57,6 +62,16 @@ class StepBatch:
     def num_rows(self) -> int:
         """Sampled rows: one per sequence, or one per entry of `logits_indices`."""
         return len(self.temperature)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeChunk:
+    """Per-row step counts of a multi-step decode call (padding rows run 0 steps)."""
+
+    num_steps: Int[Array, "R N"]  # decode steps of each row; step t writes K/V only while t < num_steps
+    suppress_steps: Int[Array, "R N"]  # steps during which the row's `suppress_ids` apply
+    stop_ids: Int[Array, "R N M"]  # sampling one of these (-1 = none) ends the row's steps early
 
 
 @jax.tree_util.register_dataclass
@@ -72,6 +87,7 @@ class DeviceBatch:
     mode: Int[Array, ""]  # index into SAMPLER_MODES (one per step)
     target_ids: Int[Array, "R T"]
     prev_slot_mapping: Int[Array, "R T"]  # KV slot of position - 1 of each token (out of range at 0 / padding)
+    chunk: DecodeChunk | None = None  # multi-step decode; None = one step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +129,9 @@ def split_replicas(b: StepBatch, num_replicas: int, blocks_per_replica: int
             suppress_ids=row(b.suppress_ids),
             target_ids=None if b.target_ids is None else b.target_ids[tok_mask],
             draft_ids=None if b.draft_ids is None else row(b.draft_ids),
+            num_steps=None if b.num_steps is None else row(b.num_steps),
+            suppress_steps=None if b.suppress_steps is None else row(b.suppress_steps),
+            stop_ids=None if b.stop_ids is None else row(b.stop_ids),
             logits_indices=None if b.logits_indices is None else local_token[b.logits_indices[rows]].astype(np.int32),
             replicas=None)
         parts.append((part, rows, np.flatnonzero(tok_mask)))
@@ -230,4 +249,6 @@ def _pad_one(b: StepBatch, s: _Shape) -> DeviceBatch:
                              max_q_len=s.piece_len),
         logits_indices=pad(logits_indices, rows), sampling=sampling, mode=np.int32(0),
         target_ids=pad(b.target_ids if b.target_ids is not None else np.zeros(0, np.int32), s.padded_tokens),
-        prev_slot_mapping=prev_slot_mapping)
+        prev_slot_mapping=prev_slot_mapping,
+        chunk=None if b.num_steps is None else DecodeChunk(pad(b.num_steps, rows), pad(b.suppress_steps, rows),
+                                                             pad(b.stop_ids, rows, -1)))

@@ -45,6 +45,15 @@ def test_mesh_outputs_equal_single_device(setup: tuple, mesh: tuple[int, int]) -
     assert_same_as_single_device(outs, ref)
 
 
+def test_multi_step_decode_on_a_mesh_equals_single_device(setup: tuple) -> None:
+    """Multi-step decode with data (vmapped replicas) and tensor parallelism at once."""
+    model, prompts, ref = setup
+    engine = Engine.from_model(model, IdTokenizer(), mesh=(2, 2), **KW, num_scheduler_steps=5)
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=12, logprobs=0))
+    assert_same_as_single_device(outs, ref)
+    assert engine.stats().num_decode_steps <= 3 * 2  # 11 decode tokens in chunks of <= 5, per replica
+
+
 def test_tensor_parallel_memory_is_a_quarter(setup: tuple) -> None:
     model = setup[0]
     engine = Engine.from_model(model, IdTokenizer(), mesh=(1, 4), **KW)
