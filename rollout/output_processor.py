@@ -34,8 +34,6 @@ class OutputProcessor:
             seq.num_computed_tokens += n
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # a prefill chunk that does not reach the end: nothing sampled
-            if seq.num_output_tokens == 0:
-                self.scheduler.mark_prefilled(seq)
             if self._emit(seq, result, i):
                 finished.append(seq)
         return finished
@@ -45,8 +43,6 @@ class OutputProcessor:
         K/V its later steps wrote lies past its end and is never read)."""
         finished: list[Sequence] = []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            if seq.num_output_tokens == 0:  # its prompt's last token was computed here: siblings may share it
-                self.scheduler.mark_prefilled(seq)
             for t in range(n):
                 seq.num_computed_tokens += 1
                 if self._emit(seq, result, i * result.steps + t):
@@ -81,6 +77,8 @@ class OutputProcessor:
 
     def _emit(self, seq: Sequence, result: StepResult, row: int) -> bool:
         """Append the token sampled in `row`; finish the sequence (and return True) if it stops."""
+        if seq.num_output_tokens == 0:  # its prompt's K/V is complete: its sibling samples may share it
+            self.scheduler.mark_prefilled(seq)
         token = int(result.token_ids[row])
         seq.token_ids.append(token)
         if seq.params.logprobs is not None:

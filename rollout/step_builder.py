@@ -11,11 +11,16 @@ from rollout.sequence import Sequence
 from runner.model_runner import MAX_SUPPRESS, StepBatch
 
 
+def ending_ids(seq: Sequence, eos_token_ids: tuple[int, ...], *, with_eos: bool = True) -> list[int]:
+    """EOS (unless `with_eos` is False) and the sequence's stop ids, without repeats."""
+    return list(dict.fromkeys([*(eos_token_ids if with_eos else ()), *seq.params.stop_token_ids]))
+
+
 def suppressed_ids(seq: Sequence, eos_token_ids: tuple[int, ...]) -> list[int]:
     """Ids a sequence may not sample yet: EOS and its stop ids until `min_tokens` are out."""
     if seq.num_output_tokens >= seq.params.min_tokens:
         return []
-    return list(dict.fromkeys([*eos_token_ids, *seq.params.stop_token_ids]))
+    return ending_ids(seq, eos_token_ids)
 
 
 def build_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...],
@@ -31,7 +36,7 @@ def build_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...],
         suppress_steps = [max(0, s.params.min_tokens - s.num_output_tokens) for s in batch.seqs]
         stop_ids = np.full((len(batch.seqs), MAX_SUPPRESS), -1, np.int32)
         for i, seq in enumerate(batch.seqs):  # only lets the device stop early: the host applies every stop rule
-            ids = list(dict.fromkeys([*(() if seq.params.ignore_eos else eos_token_ids), *seq.params.stop_token_ids]))
+            ids = ending_ids(seq, eos_token_ids, with_eos=not seq.params.ignore_eos)
             stop_ids[i, :min(len(ids), MAX_SUPPRESS)] = ids[:MAX_SUPPRESS]
         return dataclasses.replace(one, num_steps=np.asarray(batch.num_new_tokens, np.int32),
                                    suppress_steps=np.asarray(suppress_steps, np.int32), stop_ids=stop_ids)
@@ -86,7 +91,7 @@ def build_verify_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...], dra
     for r, (i, k) in enumerate(zip(row_seq, row_rank)):
         seq = seqs[i]
         if seq.num_output_tokens + k < seq.params.min_tokens:
-            ids = list(dict.fromkeys([*eos_token_ids, *seq.params.stop_token_ids]))
+            ids = ending_ids(seq, eos_token_ids)
             suppress[r, :len(ids)] = ids
     params = [seqs[i].params for i in row_seq]
     return StepBatch(
