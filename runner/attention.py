@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -168,19 +169,21 @@ def ragged_paged_attention(
     `page_indices`. Each chunk of every sequence's pages is gathered once (whole
     pages of contiguous `[page, D]` memory per head) and consumed while it is still in cache.
 
+    Prefill steps (query pieces of more than `MULTIPLY_REDUCE_MAX_ROWS` rows per KV head, more than
+    `PIECES_PER_GROUP` pieces) run their pieces in
+    groups of `PIECES_PER_GROUP`, only as many groups as hold real rows (`num_seqs`), each group's
+    walk ending at its own longest context: a step's padded rows cost nothing, and short prompts
+    batched with a long one do not walk its context.
+
     Cascade: the first `num_common_pages` pages (the same in every real sequence's table, e.g. a
     shared system prompt or the prompt of n samples, and before every query) are gathered once for
-    the whole batch and attended by all query rows as one matmul; each sequence's own loop then
-    starts after them. It changes only the order of the softmax sums.
+    the whole batch (per group) and attended by all query rows as one matmul; each sequence's own
+    loop then starts after them. It changes only the order of the softmax sums.
     """
     num_tokens, num_q_heads, head_dim = queries.shape
     num_rows, pages_per_seq = page_indices.shape
-    _, num_kv_heads, _, page_size, _ = kv_pages.shape
+    num_kv_heads = kv_pages.shape[1]
     group = num_q_heads // num_kv_heads
-    chunk = min(pages_per_chunk, pages_per_seq)
-    num_chunks = -(-pages_per_seq // chunk)
-    page_indices = jnp.pad(page_indices, ((0, 0), (0, num_chunks * chunk - pages_per_seq)))
-    chunk_tokens = chunk * page_size
     rows = group * max_q_len  # query rows per (sequence, KV head): row = g * max_q_len + i
 
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
@@ -190,6 +193,67 @@ def ragged_paged_attention(
     q = q.reshape(num_rows, max_q_len, num_kv_heads, group, head_dim).transpose(2, 0, 3, 1, 4)
     q = (q.astype(jnp.float32) * sm_scale).astype(queries.dtype).reshape(num_kv_heads, num_rows, rows, head_dim)
     q_pos = jnp.tile((kv_lens - q_lens)[:, None] + q_offsets[None, :], (1, group))  # [S, rows] absolute position
+    common = _CommonPages(page_indices[0], num_common_pages[0]) if num_common_pages is not None else None
+    attend = functools.partial(_attend_rows, kv_pages=kv_pages, common=common, pages_per_chunk=pages_per_chunk)
+
+    if rows > MULTIPLY_REDUCE_MAX_ROWS and num_rows > PIECES_PER_GROUP:  # prefill pieces (not decode / verification)
+        size = PIECES_PER_GROUP
+        padded = -(-num_rows // size) * size
+        pad = lambda x, axis: jnp.pad(x, [(0, padded - num_rows if a == axis else 0) for a in range(x.ndim)])  # noqa: E731
+        q, page_indices, kv_lens, q_pos = pad(q, 1), pad(page_indices, 0), pad(kv_lens, 0), pad(q_pos, 0)
+
+        def group_body(carry: tuple[Array, Array]) -> tuple[Array, Array]:
+            g, out = carry
+            take = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, g * size, size, axis)  # noqa: E731
+            part = attend(take(q, 1), take(page_indices, 0), take(kv_lens, 0), take(q_pos, 0))
+            return g + 1, jax.lax.dynamic_update_slice_in_dim(out, part, g * size, axis=1)
+
+        num_groups = jnp.minimum(-(-num_seqs[0] // size), padded // size)
+        init = (jnp.int32(0), jnp.zeros((num_kv_heads, padded, rows, head_dim), jnp.float32))
+        _, out = jax.lax.while_loop(lambda carry: carry[0] < num_groups, group_body, init)
+        out = out[:, :num_rows]
+    else:
+        out = attend(q, page_indices, kv_lens, q_pos)
+    out = out.reshape(num_kv_heads, num_rows, group, max_q_len, head_dim).transpose(1, 3, 0, 2, 4)
+    out = out.reshape(num_rows * max_q_len, num_q_heads, head_dim)
+
+    token = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq_of_token = jnp.clip(jnp.searchsorted(cu_q_lens, token, side="right") - 1, 0, num_rows - 1)
+    offset = jnp.clip(token - cu_q_lens[seq_of_token], 0, max_q_len - 1)
+    return jnp.take(out, seq_of_token * max_q_len + offset, axis=0, mode="clip").astype(queries.dtype)
+
+
+PIECES_PER_GROUP = 8  # prefill rows (query pieces) attended together; measured in docs/engineering-notes.md
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _CommonPages:
+    """Leading pages every real row shares (cascade): the first row's table and how many of its pages."""
+
+    table: Int[Array, "W"]
+    num_pages: Int[Array, ""]
+
+
+def _attend_rows(
+    q: Float[Array, "Hkv S R D"],
+    page_indices: Int[Array, "S W"],
+    kv_lens: Int[Array, "S"],
+    q_pos: Int[Array, "S R"],
+    *,
+    kv_pages: Float[Array, "2 Hkv P page D"],
+    common: _CommonPages | None,
+    pages_per_chunk: int,
+) -> Float[Array, "Hkv S R D"]:
+    """Normalised attention output of rows `q` (positions `q_pos`) over their paged contexts; rows
+    without context give zeros. The walk ends at the longest of these rows' contexts."""
+    num_kv_heads, num_rows, rows, head_dim = q.shape
+    pages_per_seq = page_indices.shape[1]
+    page_size = kv_pages.shape[3]
+    chunk = min(pages_per_chunk, pages_per_seq)
+    num_chunks = -(-pages_per_seq // chunk)
+    page_indices = jnp.pad(page_indices, ((0, 0), (0, num_chunks * chunk - pages_per_seq)))
+    chunk_tokens = chunk * page_size
 
     # Vmapping over the head axis (not flattening it into the page rows) keeps a KV-head-sharded
     # cache sharded (a reshape across that axis would make GSPMD all-gather the whole cache).
@@ -220,21 +284,14 @@ def ragged_paged_attention(
     stats_shape = (num_kv_heads, num_rows, rows)
     init = (jnp.int32(0), jnp.full(stats_shape, MASK_VALUE, jnp.float32), jnp.zeros(stats_shape, jnp.float32),
             jnp.zeros((*stats_shape, head_dim), jnp.float32))
-    if num_common_pages is not None:
-        common_chunks = jnp.minimum(num_common_pages[0] // chunk, num_chunks)  # whole chunks only
-        m, l, acc = _common_prefix_attention(q, kv_pages, page_indices[0], common_chunks * chunk, kv_lens > 0)
+    if common is not None:
+        common_chunks = jnp.minimum(common.num_pages // chunk, num_chunks)  # whole chunks only
+        m, l, acc = _common_prefix_attention(q, kv_pages, common.table, common_chunks * chunk, kv_lens > 0)
         init = (common_chunks, m, l, acc)
-    # The trip count follows the longest real context of this step, not the padded width.
+    # The trip count follows the longest real context of these rows, not the padded width.
     num_live = jnp.minimum(-(-jnp.max(kv_lens) // chunk_tokens), num_chunks)
     _, _, l, acc = jax.lax.while_loop(lambda carry: carry[0] < num_live, body, init)
-    out = jnp.where(l[..., None] > 0, acc / jnp.maximum(l, 1e-30)[..., None], 0.0)  # [Hkv, S, rows, D]
-    out = out.reshape(num_kv_heads, num_rows, group, max_q_len, head_dim).transpose(1, 3, 0, 2, 4)
-    out = out.reshape(num_rows * max_q_len, num_q_heads, head_dim)
-
-    token = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq_of_token = jnp.clip(jnp.searchsorted(cu_q_lens, token, side="right") - 1, 0, num_rows - 1)
-    offset = jnp.clip(token - cu_q_lens[seq_of_token], 0, max_q_len - 1)
-    return jnp.take(out, seq_of_token * max_q_len + offset, axis=0, mode="clip").astype(queries.dtype)
+    return jnp.where(l[..., None] > 0, acc / jnp.maximum(l, 1e-30)[..., None], 0.0)
 
 
 COMMON_PAGES_PER_CHUNK = 8

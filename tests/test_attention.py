@@ -16,8 +16,8 @@ import pytest
 from flax import nnx
 
 from rollout import Engine, SamplingParams
-from runner.attention import (AttentionMetadata, auto_attention_impl, paged_attention, ragged_paged_attention,
-                              write_kv)
+from runner.attention import (MULTIPLY_REDUCE_MAX_ROWS, PIECES_PER_GROUP, AttentionMetadata, auto_attention_impl,
+                              paged_attention, ragged_paged_attention, write_kv)
 from runner.models.llama import LlamaForCausalLM
 from runner.step_inputs import num_common_pages
 from test_engine import ENGINE_KW, ByteTokenizer, make_model, rand_prompt
@@ -87,6 +87,29 @@ def test_cascade_over_common_pages_matches_reference(q_lens: list[int], kv_lens:
     got = ragged_paged_attention(jnp.asarray(queries), jnp.asarray(kv), jnp.asarray(kv_lens, jnp.int32),
                                  jnp.asarray(tables), jnp.asarray(cu), jnp.asarray([len(q_lens)], jnp.int32),
                                  sm_scale=D ** -0.5, max_q_len=max_q_len, num_common_pages=jnp.asarray([common], jnp.int32))
+    np.testing.assert_allclose(np.asarray(got), reference(queries, kv, q_lens, kv_lens, tables, D ** -0.5), atol=2e-6)
+
+
+@pytest.mark.parametrize("common", [None, 1])
+def test_prefill_pieces_in_groups_match_reference(common: int | None) -> None:
+    """Prefill pieces run in groups of PIECES_PER_GROUP, only up to the last real piece, each group to
+    its own longest context: padding pieces after `num_seqs` stay zero and real ones stay exact."""
+    q_lens = [10, 10, 4, 1, 7, 10, 2, 3, 5, 10, 1, 6]
+    kv_lens = [12, 10, 9, 5, 12, 11, 6, 12, 12, 12, 8, 11]
+    max_q_len = 10
+    assert GROUP * max_q_len > MULTIPLY_REDUCE_MAX_ROWS and len(q_lens) > PIECES_PER_GROUP  # the grouped path
+    queries, kv, tables = random_case(5, q_lens, kv_lens, width=3)
+    if common:
+        q_lens, kv_lens = [min(q, k - 4) for q, k in zip(q_lens, kv_lens)], kv_lens  # queries after page 1
+        queries = queries[:sum(q_lens)]
+        tables[:, :common] = tables[0, :common]
+    num_real = len(q_lens)
+    padded_tables = np.concatenate([tables, np.zeros((3, tables.shape[1]), np.int32)])  # 3 padding pieces
+    cu = np.concatenate([[0], np.cumsum(q_lens), [sum(q_lens)] * 3]).astype(np.int32)
+    got = ragged_paged_attention(jnp.asarray(queries), jnp.asarray(kv), jnp.asarray(kv_lens + [0] * 3, jnp.int32),
+                                 jnp.asarray(padded_tables), jnp.asarray(cu), jnp.asarray([num_real], jnp.int32),
+                                 sm_scale=D ** -0.5, max_q_len=max_q_len,
+                                 num_common_pages=None if common is None else jnp.asarray([common], jnp.int32))
     np.testing.assert_allclose(np.asarray(got), reference(queries, kv, q_lens, kv_lens, tables, D ** -0.5), atol=2e-6)
 
 
