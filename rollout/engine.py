@@ -145,8 +145,9 @@ class Engine:
 
     def step(self) -> list[Sequence]:
         """One engine step: schedule -> run -> postprocess. Returns the sequences that finished."""
-        batch = self.scheduler.schedule()
-        drafts = self.speculator.propose(batch) if self.speculator is not None else None
+        batch, drafts = self.scheduler.schedule(), None
+        if self.speculator is not None:
+            batch, drafts = self.speculator.propose(batch)
         start = time.perf_counter()
         result = self.runner.run(build_step(batch, self.eos_token_ids, drafts, rejection=self._rejection,
                                             multi_step=self.config.num_scheduler_steps > 1))
@@ -157,7 +158,8 @@ class Engine:
             for d, a in zip(drafts, accepted):
                 self.speculator.record_acceptance(len(d), a, a + 1, self.policy_version)
         if self.speculator is not None and not batch.is_prefill:
-            self.speculator.record_step(len(batch.seqs), drafts is not None, time.perf_counter() - start)
+            self.speculator.record_step(len(batch.seqs), drafts is not None, time.perf_counter() - start,
+                                        float(np.mean(batch.num_new_tokens)))
         self.stats_.record_step(batch)
         return finished
 

@@ -4,7 +4,8 @@ Drafts come from `runner.spec_decode` proposers: n-gram lookup here on the host,
 head through the runner (`draft_fn`). The target verifies all drafts in one step and
 samples after every position with the request's own per-position key ("exact replay"), so the
 emitted tokens and logprobs are those of plain decoding. Speculation turns itself off for a step
-when measured step times and acceptance say plain decoding would be faster.
+when measured step times and acceptance say plain decoding would be faster (that step may then be a
+multi-step call: the time per decode step is what is compared).
 """
 
 from __future__ import annotations
@@ -66,24 +67,29 @@ class Speculator:
         self._decisions = 0
         self._compiles: int | None = None  # compilations before the timed step (a step that compiles is not timed)
 
-    def propose(self, batch: ScheduledBatch) -> list[np.ndarray] | None:
-        """Drafts per sequence of a decode batch, or None to decode plainly this step."""
+    def propose(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, list[np.ndarray] | None]:
+        """The batch to run and its drafts per sequence (None: decode plainly).
+
+        A step judged not worth drafting keeps the scheduler's multi-step count; a verification step,
+        or a plain step because nothing matched, runs one step so the next one can draft again.
+        """
         self._compiles = num_compilations()
         if batch.is_prefill or not batch.seqs:
-            return None
+            return batch, None
         if not self._worth_it(len(batch.seqs)):
             self.stats.num_disabled_steps += 1
-            return None
+            return batch, None
         per_seq = min(self.config.k, self.max_num_batched_tokens // len(batch.seqs) - 1)
         if per_seq < 1:
-            return None
+            return batch, None
+        one_step = dataclasses.replace(batch, num_new_tokens=[1] * len(batch.seqs))
         limits = [min(per_seq, s.params.max_tokens - s.num_output_tokens - 1, self.max_model_len - s.num_tokens - 1)
                   for s in batch.seqs]
         drafts = self.draft_fn(batch.seqs, limits)
         if not any(len(d) for d in drafts):
-            return None
+            return one_step, None
         self.stats.num_draft_steps += 1
-        return drafts
+        return one_step, drafts
 
     def _ngram_drafts(self, seqs: list[Sequence], limits: list[int]) -> list[np.ndarray]:
         assert isinstance(self.config, NgramConfig)
@@ -103,10 +109,12 @@ class Speculator:
         expected_tokens = 1.0 + self._acceptance * self.config.k
         return (expected_tokens / spec >= 1.0 / plain) != explore  # re-measure the losing path now and then
 
-    def record_step(self, num_seqs: int, drafted: bool, seconds: float) -> None:
+    def record_step(self, num_seqs: int, drafted: bool, seconds: float, num_steps: float = 1.0) -> None:
+        """Time one decode call; a plain multi-step call of `num_steps` steps counts per step."""
         if self._compiles is not None and num_compilations() != self._compiles:  # compile time, not step time
             return
         key = (drafted, num_seqs)
+        seconds /= num_steps
         old = self._seconds.get(key)
         self._seconds[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rollout import Engine, NgramConfig, SamplingParams
+from rollout import Eagle3Config, Engine, NgramConfig, SamplingParams
 from rollout.engine_config import DEFAULT_SCHEDULER_STEPS, EngineConfig
 from runner.compile_counter import num_compilations
 from test_engine import EOS, ENGINE_KW, MAX_LEN, ByteTokenizer, make_model, rand_prompt
@@ -100,8 +100,9 @@ def test_multi_step_warmup_compiles_everything(multi: Engine) -> None:
 
 def test_multi_step_config_is_validated(model) -> None:
     assert EngineConfig().num_scheduler_steps == DEFAULT_SCHEDULER_STEPS > 1  # on by default
-    assert EngineConfig(speculative=NgramConfig(k=2)).num_scheduler_steps == 1
+    assert EngineConfig(speculative=NgramConfig(k=2)).num_scheduler_steps == DEFAULT_SCHEDULER_STEPS
+    assert EngineConfig(speculative=Eagle3Config("head", k=2)).num_scheduler_steps == 1
     with pytest.raises(ValueError, match="num_scheduler_steps"):
         Engine.from_model(model, ByteTokenizer(), **ENGINE_KW, num_scheduler_steps=0)
-    with pytest.raises(ValueError, match="speculative"):
-        Engine.from_model(model, ByteTokenizer(), **ENGINE_KW, num_scheduler_steps=2, speculative=NgramConfig(k=2))
+    with pytest.raises(ValueError, match="EAGLE-3"):
+        EngineConfig(num_scheduler_steps=2, speculative=Eagle3Config("head", k=2))

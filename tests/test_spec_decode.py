@@ -129,6 +129,21 @@ CASES = {
 }
 
 
+def test_steps_without_drafts_run_as_multi_step_calls(plain: Engine, model) -> None:
+    """Decode steps that do not draft (auto-disable judged plain decoding faster) become multi-step
+    calls of up to `num_scheduler_steps` steps; outputs and logprobs stay those of plain decoding."""
+    engine = Engine.from_model(model, ByteTokenizer(), **ENGINE_KW, speculative=SPEC, num_scheduler_steps=4)
+    decisions = iter(range(10**6))
+    engine.speculator._worth_it = lambda num_seqs: next(decisions) % 3 == 0  # draft one step in three
+    prompts = repetitive_prompts(7, 8)
+    params = [SamplingParams(seed=i, max_tokens=30, ignore_eos=True, temperature=1.0 if i % 2 else 0.0, logprobs=1)
+              for i in range(8)]
+    assert_same(plain.generate(prompts, params), engine.generate(prompts, params), logprobs=True)
+    stats = engine.stats()
+    assert stats.speculative.num_draft_steps > 0 and stats.speculative.num_disabled_steps > 0
+    assert stats.decode_tokens > stats.num_decode_steps * len(prompts)  # some calls ran several steps
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_spec_equals_plain(plain: Engine, spec: Engine, case: str) -> None:
     before = spec.stats().speculative
