@@ -66,23 +66,25 @@ class Speculator:
         self._acceptance = 1.0  # optimistic until measured
         self._decisions = 0
         self._compiles: int | None = None  # compilations before the timed step (a step that compiles is not timed)
+        self._probing = False  # the last decision took the losing path to re-measure it
 
     def propose(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, list[np.ndarray] | None]:
         """The batch to run and its drafts per sequence (None: decode plainly).
 
         A step judged not worth drafting keeps the scheduler's multi-step count; a verification step,
-        or a plain step because nothing matched, runs one step so the next one can draft again.
+        a plain step because nothing matched, or one that re-measures plain decoding while drafting
+        wins, runs one step so the next one can draft again.
         """
         self._compiles = num_compilations()
         if batch.is_prefill or not batch.seqs:
             return batch, None
+        one_step = dataclasses.replace(batch, num_new_tokens=[1] * len(batch.seqs))
         if not self._worth_it(len(batch.seqs)):
             self.stats.num_disabled_steps += 1
-            return batch, None
+            return (one_step if self._probing else batch), None
         per_seq = min(self.config.k, self.max_num_batched_tokens // len(batch.seqs) - 1)
         if per_seq < 1:
             return batch, None
-        one_step = dataclasses.replace(batch, num_new_tokens=[1] * len(batch.seqs))
         limits = [min(per_seq, s.params.max_tokens - s.num_output_tokens - 1, self.max_model_len - s.num_tokens - 1)
                   for s in batch.seqs]
         drafts = self.draft_fn(batch.seqs, limits)
@@ -96,6 +98,7 @@ class Speculator:
         return propose_batch([np.asarray(s.token_ids, np.int32) for s in seqs], limits, self.config)
 
     def _worth_it(self, num_seqs: int) -> bool:
+        self._probing = False
         if not self.config.auto_disable:
             return True
         plain = self._seconds.get((False, num_seqs))
@@ -103,7 +106,7 @@ class Speculator:
         if spec is None:
             return True
         self._decisions += 1
-        explore = self._decisions % EXPLORE_EVERY == 0
+        explore = self._probing = self._decisions % EXPLORE_EVERY == 0
         if plain is None:  # measure plain decoding once in a while, then judge
             return not explore
         expected_tokens = 1.0 + self._acceptance * self.config.k

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +40,9 @@ class AttentionMetadata:
     # leading pages shared by every real sequence and wholly before each one's first query (cascade); None = 0
     num_common_pages: Int[Array, "1"] | None = None
     max_q_len: int = dataclasses.field(metadata=dict(static=True), default=1)  # static bound on any q_len
+    # attend only the first power-of-two count of rows that holds every real one (verification steps,
+    # whose row count is bucketed by tokens, not sequences); off under vmap, where a switch runs every branch
+    trim_rows: bool = dataclasses.field(metadata=dict(static=True), default=False)
     impl: str = dataclasses.field(metadata=dict(static=True), default="jax")  # one of ATTENTION_IMPLS
 
 
@@ -84,7 +88,8 @@ def paged_attention(
         return _pallas_decode(queries, kv_pages, md.kv_lens, md.page_indices, sm_scale=sm_scale,
                               platform=md.impl.split("_")[1], interpret=md.impl.endswith("_interpret"))
     return ragged_paged_attention(queries, kv_pages, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
-                                  sm_scale=sm_scale, max_q_len=md.max_q_len, num_common_pages=md.num_common_pages)
+                                  sm_scale=sm_scale, max_q_len=md.max_q_len, num_common_pages=md.num_common_pages,
+                                  trim_rows=md.trim_rows)
 
 
 def _largest_divisor(n: int, options: tuple[int, ...]) -> int:
@@ -161,6 +166,7 @@ def ragged_paged_attention(
     max_q_len: int,
     pages_per_chunk: int = 2,
     num_common_pages: Int[Array, "1"] | None = None,
+    trim_rows: bool = False,
 ) -> Float[Array, "T Hq D"]:
     """Causal attention of packed queries over each sequence's paged context (pure JAX reference).
 
@@ -173,7 +179,9 @@ def ragged_paged_attention(
     `PIECES_PER_GROUP` pieces) run their pieces in
     groups of `PIECES_PER_GROUP`, only as many groups as hold real rows (`num_seqs`), each group's
     walk ending at its own longest context: a step's padded rows cost nothing, and short prompts
-    batched with a long one do not walk its context.
+    batched with a long one do not walk its context. `trim_rows`: other steps attend only the first
+    1, 2, 4, ... rows that hold all `num_seqs` real ones (`lax.switch`), e.g. one sequence's
+    verification step in a program whose rows are bucketed for up to `max_num_seqs` sequences.
 
     Cascade: the first `num_common_pages` pages (the same in every real sequence's table, e.g. a
     shared system prompt or the prompt of n samples, and before every query) are gathered once for
@@ -212,6 +220,18 @@ def ragged_paged_attention(
         init = (jnp.int32(0), jnp.zeros((num_kv_heads, padded, rows, head_dim), jnp.float32))
         _, out = jax.lax.while_loop(lambda carry: carry[0] < num_groups, group_body, init)
         out = out[:, :num_rows]
+    elif trim_rows and num_rows > 1:
+        sizes = [1 << i for i in range((num_rows - 1).bit_length()) if 1 << i < num_rows] + [num_rows]
+
+        def first_rows(size: int) -> Callable[[Array, Array, Array, Array], Array]:
+            def run(q: Array, page_indices: Array, kv_lens: Array, q_pos: Array) -> Array:
+                part = attend(q[:, :size], page_indices[:size], kv_lens[:size], q_pos[:size])
+                return jnp.pad(part, ((0, 0), (0, num_rows - size), (0, 0), (0, 0)))
+            return run
+
+        branch = jnp.searchsorted(jnp.asarray(sizes, jnp.int32), num_seqs[0])  # the first size >= num_seqs
+        out = jax.lax.switch(jnp.minimum(branch, len(sizes) - 1), [first_rows(n) for n in sizes],
+                             q, page_indices, kv_lens, q_pos)
     else:
         out = attend(q, page_indices, kv_lens, q_pos)
     out = out.reshape(num_kv_heads, num_rows, group, max_q_len, head_dim).transpose(1, 3, 0, 2, 4)

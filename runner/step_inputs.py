@@ -156,7 +156,8 @@ def pad_replicas(b: StepBatch, buckets: BucketConfig, block_size: int, num_repli
         rows = buckets.prefill_rows(padded_tokens)
         piece_len, num_pieces = buckets.query_block, buckets.prefill_pieces(padded_tokens)
     pages = pick(buckets.page_buckets, max(-(-int(k) // block_size) for k in b.kv_lens))
-    shape = _Shape(padded_tokens, rows, piece_len, num_pieces, pages, block_size, blocks_per_replica)
+    trim = b.logits_indices is not None and num_replicas == 1  # verification on one replica (no vmap)
+    shape = _Shape(padded_tokens, rows, piece_len, num_pieces, pages, block_size, blocks_per_replica, trim)
     padded = [_pad_one(p, shape) for p, _, _ in parts]
     stacked = jax.tree.map(lambda *xs: np.stack(xs), *padded)
     device_batch = dataclasses.replace(stacked, mode=np.int32(sampler_mode(b)))
@@ -177,6 +178,7 @@ class _Shape:
     pages: int
     block_size: int
     num_blocks: int  # per replica: slots past num_blocks * block_size are dropped
+    trim_rows: bool = False  # see AttentionMetadata.trim_rows
 
 
 def num_common_pages(table: np.ndarray, context_before_queries: np.ndarray, page_size: int) -> int:
@@ -246,7 +248,7 @@ def _pad_one(b: StepBatch, s: _Shape) -> DeviceBatch:
         md=AttentionMetadata(slot_mapping=slot_mapping, kv_lens=kv_lens, page_indices=page_indices,
                              cu_q_lens=cu_q_lens, num_seqs=np.array([len(piece_seq)], np.int32),
                              num_common_pages=np.array([num_common_pages(table, b.kv_lens - b.q_lens, page)], np.int32),
-                             max_q_len=s.piece_len),
+                             max_q_len=s.piece_len, trim_rows=s.trim_rows),
         logits_indices=pad(logits_indices, rows), sampling=sampling, mode=np.int32(0),
         target_ids=pad(b.target_ids if b.target_ids is not None else np.zeros(0, np.int32), s.padded_tokens),
         prev_slot_mapping=prev_slot_mapping,

@@ -113,6 +113,20 @@ def test_prefill_pieces_in_groups_match_reference(common: int | None) -> None:
     np.testing.assert_allclose(np.asarray(got), reference(queries, kv, q_lens, kv_lens, tables, D ** -0.5), atol=2e-6)
 
 
+@pytest.mark.parametrize("num_real", [1, 2, 3, 8])
+def test_trimmed_rows_match_reference(num_real: int) -> None:
+    """`trim_rows` (verification steps) attends only the first power-of-two rows holding the real ones."""
+    q_lens = [5, 1, 3, 4, 2, 5, 1, 2][:num_real]
+    kv_lens = [12, 9, 7, 10, 5, 12, 3, 8][:num_real]
+    queries, kv, tables = random_case(6, q_lens, kv_lens, width=3)
+    padded_tables = np.concatenate([tables, np.zeros((8 - num_real, tables.shape[1]), np.int32)])
+    cu = np.concatenate([[0], np.cumsum(q_lens), [sum(q_lens)] * (8 - num_real)]).astype(np.int32)
+    got = ragged_paged_attention(jnp.asarray(queries), jnp.asarray(kv), jnp.asarray(kv_lens + [0] * (8 - num_real), jnp.int32),
+                                 jnp.asarray(padded_tables), jnp.asarray(cu), jnp.asarray([num_real], jnp.int32),
+                                 sm_scale=D ** -0.5, max_q_len=8, trim_rows=True)
+    np.testing.assert_allclose(np.asarray(got), reference(queries, kv, q_lens, kv_lens, tables, D ** -0.5), atol=2e-6)
+
+
 def test_num_common_pages_stops_at_divergence_and_at_the_first_query() -> None:
     tables = np.array([[7, 3, 9, 4], [7, 3, 9, 5], [7, 3, 2, 6]])
     assert num_common_pages(tables, np.array([40, 40, 40]), PAGE) == 2  # the third table diverges at page 2
