@@ -63,7 +63,7 @@ class Speculator:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.stats = SpecStats()
         self._seconds: dict[tuple[bool, int], float] = collections.defaultdict(float)
-        self._acceptance = 1.0  # optimistic until measured
+        self._tokens_per_step = 1.0 + config.k  # tokens a sequence emits per verification step (EMA); optimistic
         self._decisions = 0
         self._compiles: int | None = None  # compilations before the timed step (a step that compiles is not timed)
         self._probing = False  # the last decision took the losing path to re-measure it
@@ -109,8 +109,7 @@ class Speculator:
         explore = self._probing = self._decisions % EXPLORE_EVERY == 0
         if plain is None:  # measure plain decoding once in a while, then judge
             return not explore
-        expected_tokens = 1.0 + self._acceptance * self.config.k
-        return (expected_tokens / spec >= 1.0 / plain) != explore  # re-measure the losing path now and then
+        return (self._tokens_per_step / spec >= 1.0 / plain) != explore  # re-measure the losing path now and then
 
     def record_step(self, num_seqs: int, drafted: bool, seconds: float, num_steps: float = 1.0) -> None:
         """Time one decode call; a plain multi-step call of `num_steps` steps counts per step."""
@@ -129,5 +128,5 @@ class Speculator:
         s.num_seq_steps += 1
         d, a = s.acceptance_by_version.get(version, (0, 0))
         s.acceptance_by_version[version] = (d + drafted, a + accepted)
-        if drafted:
-            self._acceptance = (1 - EMA) * self._acceptance + EMA * (accepted / drafted)
+        # measured per sequence, so short drafts (few matches, the end of max_tokens) count as they are
+        self._tokens_per_step = (1 - EMA) * self._tokens_per_step + EMA * emitted
