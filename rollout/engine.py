@@ -146,9 +146,9 @@ class Engine:
     def step(self) -> list[Sequence]:
         """One engine step: schedule -> run -> postprocess. Returns the sequences that finished."""
         batch, drafts = self.scheduler.schedule(), None
+        start = time.perf_counter()  # a speculative step's time includes drafting (n-gram lookup, EAGLE head)
         if self.speculator is not None:
             batch, drafts = self.speculator.propose(batch)
-        start = time.perf_counter()
         result = self.runner.run(build_step(batch, self.eos_token_ids, drafts, rejection=self._rejection,
                                             multi_step=self.config.num_scheduler_steps > 1))
         if drafts is None:
