@@ -246,7 +246,6 @@ def ragged_paged_attention(
 PIECES_PER_GROUP = 8  # prefill rows (query pieces) attended together; measured in docs/engineering-notes.md
 
 
-@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class _CommonPages:
     """Leading pages every real row shares (cascade): the first row's table and how many of its pages."""
