@@ -38,7 +38,7 @@ class BucketConfig:
     min_seqs: int = 1  # XLA:CPU runs a 1-row decode ~3x faster than an 8-row one: no padding up
     min_tokens: int = 32
     query_block: int = 32  # prefill queries are attended in pieces of at most this many tokens
-    verify_rows: int = 0  # rows of one sequence's verification step (k + 1): an exact bucket for B=1
+    verify_rows: int = 0  # rows of one sequence's verification step (k + 1): exact buckets s * (k + 1)
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < self.query_block:
@@ -58,8 +58,12 @@ class BucketConfig:
 
     @property
     def verify_buckets(self) -> tuple[int, ...]:
-        """Token (= sampled row) counts of speculative verification steps: small ones for small batches."""
-        exact = {self.verify_rows} if self.verify_rows > 0 else set()
+        """Token (= sampled row) counts of speculative verification steps: the sequence and token buckets,
+        plus every sequence bucket times k + 1 (full drafts fill them exactly: 8 sequences of k = 4 take
+        40 rows, not 64; the LM head and sampler cost per row)."""
+        exact = set()
+        if self.verify_rows > 0:
+            exact = {s * self.verify_rows for s in self.seq_buckets} & set(range(1, self.max_num_batched_tokens + 1))
         return tuple(sorted(set(self.seq_buckets) | set(self.token_buckets) | exact))
 
     def prefill_rows(self, num_tokens: int) -> int:

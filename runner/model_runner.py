@@ -168,7 +168,7 @@ class ModelRunner:
                 count += 1
         if speculative_k:
             for n, top in itertools.product(bk.verify_buckets, tops):
-                if n <= bk.max_num_seqs * (speculative_k + 1):
+                if -(-n // (speculative_k + 1)) <= bk.max_num_seqs:  # reachable: fits max_num_seqs sequences
                     step = self._dummy_verify(n, bk.page_buckets[-1], speculative_k, top)
                     if rejection:
                         step = dataclasses.replace(step, draft_ids=np.full(step.num_rows, -1, np.int32))
@@ -179,21 +179,24 @@ class ModelRunner:
         return count
 
     def _dummy_verify(self, n: int, pages: int, k: int, num_top: int) -> StepBatch:
-        """A verification step of `n` tokens: sequences of k + 1 tokens, a sampled row per token."""
+        """A verification step of exactly `n` tokens (so it pads to bucket `n`): sequences of k + 1
+        tokens and one shorter remainder, a sampled row per token."""
         q_len = min(k + 1, n)
-        num_seqs = max(1, n // q_len)
+        q_lens = np.full(n // q_len, q_len, np.int32)
+        if n % q_len:
+            q_lens = np.append(q_lens, np.int32(n % q_len))
+        num_seqs = len(q_lens)
         base = self._dummy(True, num_seqs, pages)
-        rows = num_seqs * q_len
         capacity = pages * self.kv_spec.block_size
-        rep = lambda x: np.repeat(x, q_len, axis=0)  # noqa: E731
+        rep = lambda x: np.repeat(x, q_lens, axis=0)  # noqa: E731
         return dataclasses.replace(
-            base, token_ids=np.zeros(rows, np.int32),
-            positions=np.tile(np.arange(capacity - q_len, capacity, dtype=np.int32), num_seqs),
-            q_lens=np.full(num_seqs, q_len, np.int32), temperature=rep(base.temperature), top_k=rep(base.top_k),
+            base, token_ids=np.zeros(n, np.int32),
+            positions=np.concatenate([np.arange(capacity - q, capacity, dtype=np.int32) for q in q_lens]),
+            q_lens=q_lens, temperature=rep(base.temperature), top_k=rep(base.top_k),
             top_p=rep(base.top_p), min_p=rep(base.min_p), seeds=rep(base.seeds), sample_index=rep(base.sample_index),
             processed=rep(base.processed), suppress_ids=rep(base.suppress_ids), num_top_logprobs=num_top,
             num_steps=None, suppress_steps=None, stop_ids=None,
-            logits_indices=np.arange(rows, dtype=np.int32))
+            logits_indices=np.arange(n, dtype=np.int32))
 
     def _dummy(self, decode: bool, n: int, pages: int) -> StepBatch:
         """A step of bucket shape (n sequences for decode, n tokens for prefill; `pages` of context)."""
