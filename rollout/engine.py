@@ -155,8 +155,8 @@ class Engine:
             finished = self.outputs.process(batch, result)
         else:
             finished, accepted = self.outputs.process_verified(batch, result, drafts)
-            for d, a in zip(drafts, accepted):
-                self.speculator.record_acceptance(len(d), a, a + 1, self.policy_version)
+            for seq, d, a in zip(batch.seqs, drafts, accepted):
+                self.speculator.record_acceptance(seq, len(d), a, a + 1, self.policy_version)
         if self.speculator is not None and not batch.is_prefill:
             self.speculator.record_step(len(batch.seqs), drafts is not None, time.perf_counter() - start,
                                         float(np.mean(batch.num_new_tokens)))

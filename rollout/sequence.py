@@ -38,6 +38,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        self.tokens_per_draft_step: float | None = None  # speculative decoding: EMA of tokens emitted per verification
 
     @property
     def num_tokens(self) -> int:

@@ -26,7 +26,8 @@ from runner.spec_decode.ngram import NgramConfig, propose_batch
 DraftFn = Callable[[list[Sequence], list[int]], list[np.ndarray]]
 
 EMA = 0.2
-EXPLORE_EVERY = 16  # one decision in this many takes the other path, so both step times stay measured
+EXPLORE_EVERY = 16  # decode steps between re-measurements of the losing path (doubling while it keeps losing)
+MAX_EXPLORE_EVERY = 128
 
 
 @dataclasses.dataclass
@@ -63,8 +64,9 @@ class Speculator:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.stats = SpecStats()
         self._seconds: dict[tuple[bool, int], float] = collections.defaultdict(float)
-        self._tokens_per_step = 1.0 + config.k  # tokens a sequence emits per verification step (EMA); optimistic
-        self._decisions = 0
+        self._steps_since_probe = 0  # decode steps since the losing path was last re-measured
+        self._probe_every = EXPLORE_EVERY
+        self._last_choice: bool | None = None
         self._compiles: int | None = None  # compilations before the timed step (a step that compiles is not timed)
         self._probing = False  # the last decision took the losing path to re-measure it
 
@@ -79,9 +81,12 @@ class Speculator:
         if batch.is_prefill or not batch.seqs:
             return batch, None
         one_step = dataclasses.replace(batch, num_new_tokens=[1] * len(batch.seqs))
-        if not self._worth_it(len(batch.seqs)):
+        if not self._worth_it(batch.seqs):
             self.stats.num_disabled_steps += 1
-            return (one_step if self._probing else batch), None
+            if self._probing:
+                return one_step, None
+            self._steps_since_probe += max(batch.num_new_tokens) - 1  # a multi-step call: its steps count
+            return batch, None
         per_seq = min(self.config.k, self.max_num_batched_tokens // len(batch.seqs) - 1)
         if per_seq < 1:
             return batch, None
@@ -97,19 +102,39 @@ class Speculator:
         assert isinstance(self.config, NgramConfig)
         return propose_batch([np.asarray(s.token_ids, np.int32) for s in seqs], limits, self.config)
 
-    def _worth_it(self, num_seqs: int) -> bool:
+    def expected_tokens_per_step(self, seqs: list[Sequence]) -> float:
+        """Tokens a sequence of `seqs` emits per verification step, on average: each one's own EMA, and
+        1 + k (optimistic) for one not verified yet, so every new sequence's acceptance gets measured
+        (an estimate carried over from earlier sequences, e.g. the tails of the last call, misjudged new ones)."""
+        optimistic = 1.0 + self.config.k
+        return float(np.mean([optimistic if s.tokens_per_draft_step is None else s.tokens_per_draft_step
+                              for s in seqs]))
+
+    def _worth_it(self, seqs: list[Sequence]) -> bool:
+        """Draft this step? Compares tokens per second of both paths for this batch size; every
+        `_probe_every` decode steps it takes the losing path once to re-measure it (the interval doubles
+        while the same path keeps winning and resets when the winner changes)."""
         self._probing = False
         if not self.config.auto_disable:
             return True
-        plain = self._seconds.get((False, num_seqs))
-        spec = self._seconds.get((True, num_seqs))
+        plain = self._seconds.get((False, len(seqs)))
+        spec = self._seconds.get((True, len(seqs)))
         if spec is None:
             return True
-        self._decisions += 1
-        explore = self._probing = self._decisions % EXPLORE_EVERY == 0
+        self._steps_since_probe += 1
+        explore = self._probing = self._steps_since_probe >= self._probe_every
+        if explore:
+            self._steps_since_probe = 0
         if plain is None:  # measure plain decoding once in a while, then judge
             return not explore
-        return (self._tokens_per_step / spec >= 1.0 / plain) != explore  # re-measure the losing path now and then
+        choice = self.expected_tokens_per_step(seqs) / spec >= 1.0 / plain
+        if explore:
+            self._probe_every = min(2 * self._probe_every, MAX_EXPLORE_EVERY)
+            return not choice
+        if choice != self._last_choice:
+            self._probe_every = EXPLORE_EVERY
+        self._last_choice = choice
+        return choice
 
     def record_step(self, num_seqs: int, drafted: bool, seconds: float, num_steps: float = 1.0) -> None:
         """Time one decode call; a plain multi-step call of `num_steps` steps counts per step."""
@@ -120,7 +145,8 @@ class Speculator:
         old = self._seconds.get(key)
         self._seconds[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
 
-    def record_acceptance(self, drafted: int, accepted: int, emitted: int, version: int | None) -> None:
+    def record_acceptance(self, seq: Sequence, drafted: int, accepted: int, emitted: int, version: int | None) -> None:
+        """Count one sequence's verification; its own estimate follows what it emitted."""
         s = self.stats
         s.drafted_tokens += drafted
         s.accepted_tokens += accepted
@@ -129,4 +155,5 @@ class Speculator:
         d, a = s.acceptance_by_version.get(version, (0, 0))
         s.acceptance_by_version[version] = (d + drafted, a + accepted)
         # measured per sequence, so short drafts (few matches, the end of max_tokens) count as they are
-        self._tokens_per_step = (1 - EMA) * self._tokens_per_step + EMA * emitted
+        own = seq.tokens_per_draft_step
+        seq.tokens_per_draft_step = float(emitted) if own is None else (1 - EMA) * own + EMA * emitted

@@ -11,6 +11,7 @@ on -52.5; plain decoding alone is bitwise reproducible across batch sizes).
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ import pytest
 from flax import nnx
 
 from rollout import Engine, NgramConfig, SamplingParams
+from rollout.scheduler import ScheduledBatch
 from rollout.speculator import Speculator
 from runner.compile_counter import num_compilations
 from runner.spec_decode.ngram import propose_batch, propose_ngram
@@ -269,6 +271,21 @@ def test_no_compilation_after_warmup(model) -> None:
     assert e.stats().speculative.accepted_tokens > 0
 
 
+def test_warmup_compiles_every_verification_row_count(model) -> None:
+    """A verification step's rows follow the draft lengths: every count up to max_num_seqs * (k + 1)
+    must land in a bucket warmup() compiled (a 6-token step once padded to an uncompiled 8)."""
+    e = Engine.from_model(model, ByteTokenizer(), **ENGINE_KW, speculative=SPEC)
+    e.warmup()
+    runner, k = e.runner, SPEC.k
+    pages = runner.buckets.page_buckets[-1]
+    before = num_compilations()
+    for rows in range(1, ENGINE_KW["max_num_seqs"] * (k + 1) + 1):
+        # other splits than warmup's (sequences of k + 1 tokens): 2-token sequences where they fit
+        split = 1 if -(-rows // 2) <= ENGINE_KW["max_num_seqs"] else k
+        runner.run(runner._dummy_verify(rows, pages, split, 0))
+    assert num_compilations() - before == 0
+
+
 def test_auto_disable_on_unhelpful_drafts(model) -> None:
     """Random prompts: drafts are rarely accepted and verification costs more, so drafting turns off."""
     e = Engine.from_model(model, ByteTokenizer(), **ENGINE_KW, 
@@ -281,33 +298,52 @@ def test_auto_disable_on_unhelpful_drafts(model) -> None:
     assert s.num_disabled_steps > 0, s
 
 
-def decisions(s: Speculator, num_seqs: int, count: int) -> list[bool]:
-    return [s._worth_it(num_seqs) for _ in range(count)]
+def decisions(s: Speculator, seqs: list[SimpleNamespace], count: int) -> list[bool]:
+    return [s._worth_it(seqs) for _ in range(count)]
+
+
+def fake_seqs(n: int) -> list[SimpleNamespace]:
+    """What the speculator reads of a `Sequence`."""
+    return [SimpleNamespace(tokens_per_draft_step=None, params=SimpleNamespace(max_tokens=100), num_output_tokens=0,
+                            num_tokens=10) for _ in range(n)]
 
 
 def test_worth_it_decision() -> None:
-    """`_worth_it` with recorded timings: throughputs decide; one decision in 16 re-measures the other path."""
+    """`_worth_it` with recorded timings: throughputs decide, from each sequence's own acceptance; the
+    losing path is re-measured every 16 decode steps, less often while the same path keeps winning."""
     s = Speculator(NgramConfig(k=4, auto_disable=True), max_model_len=128, max_num_batched_tokens=64)
-    assert s._worth_it(8)  # nothing measured: draft
+    seqs = fake_seqs(8)
+    assert s._worth_it(seqs)  # nothing measured: draft
     s.record_step(8, True, 0.020)
-    assert decisions(s, 8, 16) == [True] * 15 + [False]  # plain not measured yet: the 16th step measures it
+    assert decisions(s, seqs, 16) == [True] * 15 + [False]  # plain not measured yet: the 16th step measures it
     s.record_step(8, False, 0.010)
-    # optimistic acceptance (1.0): 5 tokens / 20 ms beats 1 token / 10 ms
-    assert decisions(s, 8, 16) == [True] * 15 + [False]  # (the 16th re-measures plain decoding)
+    # not verified yet, so optimistic (5 tokens): 5 tokens / 20 ms beats 1 token / 10 ms
+    assert decisions(s, seqs, 16) == [True] * 15 + [False]  # (the 16th re-measures plain decoding)
     for _ in range(30):  # nothing accepted: 1 token / 20 ms loses
-        s.record_acceptance(4, 0, 1, None)
-    assert decisions(s, 8, 16) == [False] * 15 + [True]  # (the 16th re-measures drafting)
+        for q in seqs:
+            s.record_acceptance(q, 4, 0, 1, None)
+    assert decisions(s, seqs, 32) == [False] * 15 + [True] + [False] * 16  # winner changed: re-measure after 16
+    assert decisions(s, seqs, 32) == [False] * 15 + [True] + [False] * 16  # (a probe that flips nothing doubles)
+    assert decisions(s, seqs, 64).count(True) == 1  # the interval doubled: one probe in 32 steps
+    fresh = fake_seqs(8)  # a new call's sequences are judged on their own, not by the last ones' tails
+    assert s.expected_tokens_per_step(fresh) == 5.0 and s._worth_it(fresh)
     for _ in range(30):  # half accepted: 1 + 0.5 * 4 = 3 tokens / 20 ms beats 1 / 10 ms
-        s.record_acceptance(4, 2, 3, None)
-    assert decisions(s, 8, 15).count(True) == 15
-    assert s._worth_it(1)  # batch sizes are judged separately: nothing measured for 1 sequence
+        for q in seqs:
+            s.record_acceptance(q, 4, 2, 3, None)
+    assert decisions(s, seqs, 15).count(True) >= 14
+    assert s._worth_it(fake_seqs(1))  # batch sizes are judged separately: nothing measured for 1 sequence
     for _ in range(30):  # plain decoding got faster: 1 token / 5 ms beats 3 tokens / 20 ms
         s.record_step(8, False, 0.005)
-    assert decisions(s, 8, 15).count(False) >= 14
+    assert decisions(s, seqs, 15).count(False) >= 14
+    # a multi-step plain call counts all its steps towards the next re-measurement of drafting
+    batch = ScheduledBatch(False, seqs, [8] * 8)
+    s.draft_fn = lambda seqs, limits: [np.array([1], np.int32)] * len(seqs)
+    probes = [s.propose(batch)[0].num_new_tokens[0] == 1 for _ in range(40)]
+    assert 2 <= probes.count(True) <= 12, probes
     off = Speculator(NgramConfig(auto_disable=False), 128, 64)
     off.record_step(8, True, 1.0)
     off.record_step(8, False, 0.001)
-    assert decisions(off, 8, 32) == [True] * 32  # auto_disable=False: always draft
+    assert decisions(off, seqs, 32) == [True] * 32  # auto_disable=False: always draft
 
 
 # ---- rejection-sampling verification -------------------------------------------------------------
