@@ -321,6 +321,41 @@ def test_gguf_round_trip(arch: str, tied: bool, tmp_path: Path) -> None:
                                numpy_forward(hf, tensors, ids), atol=0.05)
 
 
+def test_gguf_matrices_dequantize_only_the_sliced_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GGUF matrices de-quantize lazily: a slice (what a sharded load asks per device) converts only
+    its rows, in chunks, and equals the same slice of the whole tensor, transposed or not."""
+    import gguf.quants
+
+    from runner.models import gguf_tensor
+    from runner.models.gguf_tensor import GGUFTensor
+
+    hf = _gguf_config("llama", False)
+    tensors = _random_hf_tensors(hf)
+    _write_gguf(tmp_path / "tiny.gguf", "llama", hf, tensors)
+    ckpt = read_checkpoint(str(tmp_path / "tiny.gguf"))
+    q = ckpt.tensors["model.layers.0.self_attn.q_proj.weight"]  # Q8_0, rows permuted by llama.cpp
+    assert isinstance(q, GGUFTensor) and ckpt.tensor_dtypes["model.layers.0.self_attn.q_proj.weight"] == "Q8_0"
+    assert isinstance(ckpt.tensors["model.norm.weight"], np.ndarray)
+    full = np.asarray(q)
+    np.testing.assert_allclose(full, tensors["model.layers.0.self_attn.q_proj.weight"], atol=0.01)
+    indices = [np.s_[2:7], np.s_[:, 3:9], np.s_[1:5, 0:4], 3, np.s_[np.array([4, 0, 2])], np.s_[2, 1:3], np.s_[::-1],
+               np.s_[..., 1]]
+    for index in indices:
+        np.testing.assert_array_equal(q[index], full[index], err_msg=str(index))
+        np.testing.assert_array_equal(q.T[index], full.T[index], err_msg=str(index))
+    assert q.T.shape == full.T.shape and q.size == full.size
+
+    rows_read: list[int] = []
+    real = gguf.quants.dequantize
+    monkeypatch.setattr(gguf.quants, "dequantize", lambda data, qtype: (rows_read.append(len(data)), real(data, qtype))[1])
+    monkeypatch.setattr(gguf_tensor, "ROW_CHUNK", 2)
+    np.testing.assert_array_equal(q[3:8], full[3:8])
+    assert rows_read == [2, 2, 1]  # five rows, two at a time: nothing else was read
+    rows_read.clear()
+    np.testing.assert_array_equal(q.T[:, 0:2], full.T[:, 0:2])  # a column block of the kernel = rows 0, 1
+    assert rows_read == [2]
+
+
 def test_gguf_llama_unpermuted_would_differ(tmp_path: Path) -> None:
     """Sanity: writing Q/K without llama.cpp's permutation reads back different (permuted) rows."""
     hf = _gguf_config("llama", False)

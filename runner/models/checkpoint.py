@@ -4,7 +4,8 @@
 equivalent dict built from GGUF metadata) and every weight as a numpy array under its Hugging Face
 `state_dict` name, in PyTorch `[out, in]` layout (`model.layers.0.self_attn.q_proj.weight`). Safetensors
 weights are memory-mapped in the file's dtype (read only where sliced, so a sharded load reads each
-device's part only); GGUF weights are de-quantized to float32 on the host, one tensor at a time.
+device's part only); GGUF matrices are `GGUFTensor`s that de-quantize to float32 only the rows a reader
+slices (a sharded load converts each device's part; `np.asarray` converts a whole tensor).
 
 GGUF facts this module relies on:
   * GGUF lists tensor dims innermost-first (`[in, out]`); `GGUFReader` reverses them, so the numpy
@@ -31,6 +32,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from runner.models.config import ModelConfig
+from runner.models.gguf_tensor import GGUFTensor
 from runner.models.torch_checkpoint import read_torch_state_dict
 
 SUPPORTED_GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
@@ -101,14 +103,15 @@ class Checkpoint:
 
     hf_config: `config.json` contents (or the equivalent built from GGUF metadata).
     tensors: Hugging Face `state_dict` name -> numpy array in PyTorch `[out, in]` layout (memory-mapped
-        float32/float16/bfloat16 for safetensors, float32 for GGUF).
+        float32/float16/bfloat16 for safetensors; for GGUF, `GGUFTensor` (float32, de-quantized lazily)
+        for matrices and float32 arrays for vectors).
     dtype: the source's dominant storage type by element count ("bfloat16", "float32", "Q4_1", ...).
     tensor_dtypes: the source storage type of every tensor.
     source: "safetensors", "pytorch" (`pytorch_model.bin`, read without torch) or "gguf"; path: what was read.
     """
 
     hf_config: dict[str, Any]
-    tensors: dict[str, np.ndarray]
+    tensors: dict[str, np.ndarray | GGUFTensor]
     dtype: str
     tensor_dtypes: dict[str, str]
     source: str
@@ -397,18 +400,26 @@ def _read_gguf(path: str) -> Checkpoint:
         if hf_name in sources:
             raise ValueError(f"{path}: GGUF tensors {sources[hf_name]!r} and {t.name!r} both map to {hf_name!r}")
         sources[hf_name] = t.name
-        try:
-            arr = dequantize(t.data, t.tensor_type)
+        want = tuple(int(x) for x in reversed(t.shape.tolist()))
+        two_d = len(want) == 2 and t.data.ndim == 2 and t.data.shape[0] == want[0]
+        try:  # 2-D weights: the first row now (type and shape check), the rest when sliced (GGUFTensor)
+            probe = np.asarray(dequantize(t.data[:1] if two_d else t.data, t.tensor_type), dtype=np.float32)
         except NotImplementedError:
             supported = supported or supported_gguf_types()
             raise ValueError(f"{path}: GGUF tensor {t.name!r} has type {t.tensor_type.name}, which cannot be "
                              f"dequantized; supported types: {', '.join(supported)}") from None
-        arr = np.array(arr, dtype=np.float32)  # copy out of the memmap
-        want = tuple(int(x) for x in reversed(t.shape.tolist()))
-        if arr.shape != want:
-            raise ValueError(f"{path}: GGUF tensor {t.name!r} dequantized to shape {arr.shape}, expected {want}")
-        if arch == "llama" and key in GGUF_LLAMA_PERMUTED:
-            arr = reverse_llama_permute(arr, hf_config[GGUF_LLAMA_PERMUTED[key]])
+        got = (want[0], *probe.shape[1:]) if two_d else probe.shape
+        if got != want:
+            raise ValueError(f"{path}: GGUF tensor {t.name!r} dequantized to shape {got}, expected {want}")
+        permuted = arch == "llama" and key in GGUF_LLAMA_PERMUTED
+        if two_d:
+            order = (reverse_llama_permute(np.arange(want[0]), hf_config[GGUF_LLAMA_PERMUTED[key]]) if permuted
+                     else None)
+            arr: np.ndarray | GGUFTensor = GGUFTensor(t.data, t.tensor_type, want, order)
+        else:
+            arr = np.array(probe)  # norms and biases: small, read now (a copy out of the memmap)
+            if permuted:
+                arr = reverse_llama_permute(arr, hf_config[GGUF_LLAMA_PERMUTED[key]])
         tensors[hf_name], tensor_dtypes[hf_name] = arr, t.tensor_type.name
     if unknown:
         raise ValueError(f"{path}: GGUF tensors with no Hugging Face mapping for a {n_layers}-layer {arch} model: "
