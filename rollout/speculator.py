@@ -131,8 +131,8 @@ class Speculator:
         if explore:
             self._probe_every = min(2 * self._probe_every, MAX_EXPLORE_EVERY)
             return not choice
-        if choice != self._last_choice:
-            self._probe_every = EXPLORE_EVERY
+        if self._last_choice is not None and choice != self._last_choice:  # the winner changed: re-measure in 16
+            self._probe_every, self._steps_since_probe = EXPLORE_EVERY, 0
         self._last_choice = choice
         return choice
 

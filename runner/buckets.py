@@ -63,7 +63,7 @@ class BucketConfig:
         40 rows, not 64; the LM head and sampler cost per row)."""
         exact = set()
         if self.verify_rows > 0:
-            exact = {s * self.verify_rows for s in self.seq_buckets} & set(range(1, self.max_num_batched_tokens + 1))
+            exact = {s * self.verify_rows for s in self.seq_buckets if s * self.verify_rows <= self.max_num_batched_tokens}
         return tuple(sorted(set(self.seq_buckets) | set(self.token_buckets) | exact))
 
     def prefill_rows(self, num_tokens: int) -> int:

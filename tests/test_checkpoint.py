@@ -338,8 +338,9 @@ def test_gguf_matrices_dequantize_only_the_sliced_rows(tmp_path: Path, monkeypat
     assert isinstance(ckpt.tensors["model.norm.weight"], np.ndarray)
     full = np.asarray(q)
     np.testing.assert_allclose(full, tensors["model.layers.0.self_attn.q_proj.weight"], atol=0.01)
-    indices = [np.s_[2:7], np.s_[:, 3:9], np.s_[1:5, 0:4], 3, np.s_[np.array([4, 0, 2])], np.s_[2, 1:3], np.s_[::-1],
-               np.s_[..., 1]]
+    indices = [np.s_[2:7], np.s_[:, 3:9], np.s_[1:5, 0:4], 3, -1, np.s_[np.array([4, 0, 2])], np.s_[2, 1:3],
+               np.s_[::-1], np.s_[-3:0:-2, 1], np.s_[5:2], np.s_[..., 1], np.s_[np.array([0, 1]), np.array([2, 3])],
+               np.s_[np.array([[0, 1], [2, 3]])], np.s_[np.arange(64) % 3 == 0]]
     for index in indices:
         np.testing.assert_array_equal(q[index], full[index], err_msg=str(index))
         np.testing.assert_array_equal(q.T[index], full.T[index], err_msg=str(index))

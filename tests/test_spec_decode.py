@@ -322,8 +322,9 @@ def test_worth_it_decision() -> None:
     for _ in range(30):  # nothing accepted: 1 token / 20 ms loses
         for q in seqs:
             s.record_acceptance(q, 4, 0, 1, None)
-    assert decisions(s, seqs, 32) == [False] * 15 + [True] + [False] * 16  # winner changed: re-measure after 16
-    assert decisions(s, seqs, 32) == [False] * 15 + [True] + [False] * 16  # (a probe that flips nothing doubles)
+    # the winner changed (first call): re-measure drafting 16 steps later
+    assert decisions(s, seqs, 32) == [False] * 16 + [True] + [False] * 15
+    assert decisions(s, seqs, 32) == [False] * 16 + [True] + [False] * 15  # (a probe that flips nothing doubles)
     assert decisions(s, seqs, 64).count(True) == 1  # the interval doubled: one probe in 32 steps
     fresh = fake_seqs(8)  # a new call's sequences are judged on their own, not by the last ones' tails
     assert s.expected_tokens_per_step(fresh) == 5.0 and s._worth_it(fresh)

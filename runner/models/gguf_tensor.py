@@ -46,14 +46,19 @@ class GGUFTensor:
         return GGUFTensor(self.data, self.qtype, self._shape, self.row_order, not self.transposed)
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        if copy is False:
+            raise ValueError("a GGUFTensor is de-quantized on access: it cannot be viewed without a copy")
         full = self._rows(np.arange(self._shape[0]), slice(None))
         full = full.T if self.transposed else full
         return full if dtype is None else full.astype(dtype, copy=False)
 
     def __getitem__(self, index: Index | tuple[Index, ...]) -> np.ndarray:
         parts = index if isinstance(index, tuple) else (index,)
-        if len(parts) > 2 or not all(isinstance(p, (int, np.integer, slice, np.ndarray)) for p in parts):
-            return np.asarray(self)[index]  # anything else (Ellipsis, None, masks): the plain way
+        simple = (len(parts) <= 2 and sum(isinstance(p, np.ndarray) for p in parts) <= 1
+                  and all((isinstance(p, (int, np.integer, slice)) and not isinstance(p, bool))
+                          or (isinstance(p, np.ndarray) and p.ndim == 1 and p.dtype.kind in "iub") for p in parts))
+        if not simple:  # anything else (Ellipsis, None, paired or 2-D index arrays): the plain way
+            return np.asarray(self)[index]
         parts = parts + (slice(None),) * (2 - len(parts))
         row_sel, col_sel = (parts[1], parts[0]) if self.transposed else parts
         rows = np.arange(self._shape[0])[row_sel]

@@ -110,7 +110,14 @@ def _to_device(arr: np.ndarray, dtype: np.dtype, sharding: jax.sharding.Sharding
     """One host tensor -> device; with a sharding, each device's slice is read and converted on its own."""
     if sharding is None:
         return jnp.asarray(np.asarray(arr, dtype=dtype))
-    return jax.make_array_from_callback(arr.shape, sharding, lambda index: np.asarray(arr[index], dtype=dtype))
+    done: dict[str, np.ndarray] = {}  # data-parallel replicas ask for the same slice: read (de-quantize) it once
+
+    def read(index: tuple[slice, ...]) -> np.ndarray:
+        key = repr(index)
+        if key not in done:
+            done[key] = np.asarray(arr[index], dtype=dtype)
+        return done[key]
+    return jax.make_array_from_callback(arr.shape, sharding, read)
 
 
 def load_model(path: str | None = None, *, dtype: str = "float32", mesh: Mesh | None = None
