@@ -221,7 +221,7 @@ def ragged_paged_attention(
         _, out = jax.lax.while_loop(lambda carry: carry[0] < num_groups, group_body, init)
         out = out[:, :num_rows]
     elif trim_rows and num_rows > 1:
-        sizes = [1 << i for i in range((num_rows - 1).bit_length()) if 1 << i < num_rows] + [num_rows]
+        sizes = [1 << i for i in range((num_rows - 1).bit_length())] + [num_rows]  # 1, 2, 4, ... < num_rows
 
         def first_rows(size: int) -> Callable[[Array, Array, Array, Array], Array]:
             def run(q: Array, page_indices: Array, kv_lens: Array, q_pos: Array) -> Array:

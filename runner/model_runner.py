@@ -168,7 +168,7 @@ class ModelRunner:
                 count += 1
         if speculative_k:
             for n, top in itertools.product(bk.verify_buckets, tops):
-                if -(-n // (speculative_k + 1)) <= bk.max_num_seqs:  # reachable: fits max_num_seqs sequences
+                if n <= bk.max_num_seqs * (speculative_k + 1):  # reachable
                     step = self._dummy_verify(n, bk.page_buckets[-1], speculative_k, top)
                     if rejection:
                         step = dataclasses.replace(step, draft_ids=np.full(step.num_rows, -1, np.int32))

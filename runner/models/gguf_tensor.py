@@ -75,7 +75,7 @@ class GGUFTensor:
         pieces = [np.zeros((0, self._shape[1]), np.float32)[:, col_sel]]
         for start in range(0, len(stored), ROW_CHUNK):
             chunk = stored[start:start + ROW_CHUNK]
-            contiguous = chunk[-1] - chunk[0] + 1 == len(chunk) and bool(np.all(np.diff(chunk) == 1))
+            contiguous = bool(np.all(np.diff(chunk) == 1))
             raw = self.data[chunk[0]:chunk[-1] + 1] if contiguous else self.data[chunk]  # a slice stays a memmap view
             values = np.asarray(dequantize(raw, self.qtype), dtype=np.float32).reshape(len(chunk), self._shape[1])
             pieces.append(values[:, col_sel])
