@@ -33,6 +33,7 @@ from runner.model_runner import MAX_SUPPRESS, ModelRunner
 from runner.spec_decode.eagle3_checkpoint import load_eagle3_head
 from runner.spec_decode.eagle3_config import Eagle3Config
 from runner.spec_decode.eagle3_drafter import DraftRequest
+from runner.models.head_layout import with_head_layout
 from runner.models.llama import LlamaForCausalLM
 from runner.models.loader import load_model
 from runner.sharding import make_mesh
@@ -45,13 +46,14 @@ class Engine:
 
     def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer, config: EngineConfig,
                  mesh: Mesh | tuple[int, int] | None = None) -> None:
+        device_mesh = make_mesh(mesh)
+        model = with_head_layout(model, device_mesh.shape["model"])  # whole heads on every device
         cfg = model.config
         self.config = config
         self.tokenizer = tokenizer
         self.model_config = cfg
         self.eos_token_ids = tuple(dict.fromkeys([*cfg.eos_token_ids, *tokenizer.eos_token_ids]))
         block_size = config.block_size
-        device_mesh = make_mesh(mesh)
         num_replicas = device_mesh.shape["data"]  # data parallel: each replica has its own KV blocks and budgets
         max_pages = -(-config.max_model_len // block_size)
         num_blocks = config.kv_cache_blocks
@@ -192,7 +194,8 @@ class Engine:
             raise ValueError("draft_params were given but this engine has no EAGLE-3 head "
                              "(build it with speculative=Eagle3Config(...))")
         try:
-            plan = weight_sync.plan(params, self.runner.params, mapping)  # cached per tree structure
+            takes = self._head_takes()  # trainer-layout attention tensors into padded / replicated heads
+            plan = weight_sync.plan(params, self.runner.params, mapping, takes=takes)  # cached per structure
             draft_plan = None if draft_params is None else weight_sync.plan(draft_params, drafter.params, draft_mapping)
         except weight_sync.WeightSyncError as err:
             problems = list(err.problems)
@@ -213,6 +216,15 @@ class Engine:
         self.block_manager.invalidate_prefix_cache()
         self.policy_version = version if version is not None else (self.policy_version or 0) + 1
         self.stats_.num_weight_syncs += 1
+
+    def _head_takes(self) -> dict[str, tuple[int, tuple[int, ...]]]:
+        """Per attention parameter, how the checkpoint layout expands into the stored heads (none
+        unless the mesh needed padded or replicated heads)."""
+        layout = self.model_config.head_layout
+        if layout is None:
+            return {}
+        paths = weight_sync.flatten(self.runner.params, what="target").paths
+        return {p: e for p in paths if (e := layout.expansion(p)) is not None}
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prompt prefix (the next requests recompute their prompts)."""

@@ -67,15 +67,17 @@ class ModelRunner:
                              f"{self.mesh.shape['data']}")
         self.graphdef = graphdef
         defs = (jax.tree.structure(params), jax.tree.structure(rest))
-        self._step_fn = compiled_step(graphdef, *defs)  # looked up once: hashing a GraphDef per step costs ~10 ms
-        self._chunk_fn = compiled_chunk(graphdef, *defs)
+        kv_sharding = kv_cache_sharding(kv_spec.shape, self.mesh)
+        pinned = kv_sharding if self.mesh.size > 1 else None
+        self._step_fn = compiled_step(graphdef, *defs, pinned)  # looked up once: hashing a GraphDef per step costs ~10 ms
+        self._chunk_fn = compiled_chunk(graphdef, *defs, pinned)
         # The runner owns its copy (a trainer may update or donate its arrays at any time), laid out
         # by the sharding rules; device_put to a new sharding copies, so copy explicitly otherwise.
         self.params = shard_params(jax.tree.map(lambda x: x.copy(), params), self.mesh)
         self.rest = jax.device_put(jax.tree.map(lambda x: jnp.array(x, copy=True), rest),
                                    NamedSharding(self.mesh, PartitionSpec()))
         self.kv_spec = kv_spec
-        self.kv_caches = allocate_kv_caches(kv_spec, kv_cache_sharding(kv_spec.shape, self.mesh))
+        self.kv_caches = allocate_kv_caches(kv_spec, kv_sharding)
         self._scalar_sharding = NamedSharding(self.mesh, PartitionSpec())
         self._input_sharding = (self._scalar_sharding if kv_spec.num_replicas == 1
                                 else NamedSharding(self.mesh, PartitionSpec("data")))

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding
 from jaxtyping import Array, Float, Int
 
 from runner.attention import AttentionMetadata
@@ -38,18 +39,23 @@ def _merge(graphdef: nnx.GraphDef, params_def: jax.tree_util.PyTreeDef, rest_def
 
 
 def _step(graphdef: nnx.GraphDef, params_def: jax.tree_util.PyTreeDef, rest_def: jax.tree_util.PyTreeDef,
-          param_leaves: list[Array], rest_leaves: list[Array], kv_caches: KVCaches, batch: DeviceBatch,
-          *, num_top: int, token_logprobs: bool, aux_layers: tuple[int, ...] = ()
+          kv_sharding: NamedSharding | None, param_leaves: list[Array], rest_leaves: list[Array], kv_caches: KVCaches,
+          batch: DeviceBatch, *, num_top: int, token_logprobs: bool, aux_layers: tuple[int, ...] = ()
           ) -> tuple[KVCaches, SamplerOutput, TokenLogprobs | None, Float[Array, "R T A"]]:
     model = _merge(graphdef, params_def, rest_def, param_leaves, rest_leaves)
     return _forward_and_sample(model, kv_caches, batch, num_top=num_top, token_logprobs=token_logprobs,
-                               aux_layers=aux_layers)
+                               aux_layers=aux_layers, kv_sharding=kv_sharding)
 
 
 def _forward_and_sample(model: LlamaForCausalLM, kv_caches: KVCaches, batch: DeviceBatch, *, num_top: int,
-                        token_logprobs: bool, aux_layers: tuple[int, ...] = ()
+                        token_logprobs: bool, aux_layers: tuple[int, ...] = (), kv_sharding: NamedSharding | None = None
                         ) -> tuple[KVCaches, SamplerOutput, TokenLogprobs | None, Float[Array, "R T A"]]:
-    """One step's forward over the paged cache (per replica) and sampling of its rows."""
+    """One step's forward over the paged cache (per replica) and sampling of its rows.
+
+    `kv_sharding`: the caches' layout on a mesh, pinned on the updated caches; left to XLA's
+    propagation, a head-sharded cache came back replicated (every device then held all of it and
+    all-gathered the new K/V in every layer).
+    """
 
     def replica_forward(token_ids: Array, positions: Array, kv: KVCaches, md: AttentionMetadata,
                         logits_indices: Array) -> tuple[Array, Array, KVCaches, Array]:
@@ -62,6 +68,8 @@ def _forward_and_sample(model: LlamaForCausalLM, kv_caches: KVCaches, batch: Dev
         hidden, rows_hidden, kv_caches, aux = jax.tree.map(lambda x: x[None], (hidden, rows_hidden, kv, aux))
     else:  # data parallel: each replica (a slice of the `data` axis) over its own KV blocks
         hidden, rows_hidden, kv_caches, aux = jax.vmap(replica_forward)(*args)
+    if kv_sharding is not None:
+        kv_caches = tuple(jax.lax.with_sharding_constraint(kv, kv_sharding) for kv in kv_caches)
     flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731  [R, N, ...] -> [R * N, ...]
     logits = model.compute_logits(flat(rows_hidden))
     branches = [functools.partial(sample, mode=m, num_top_logprobs=num_top) for m in SAMPLER_MODES]
@@ -76,8 +84,9 @@ def _forward_and_sample(model: LlamaForCausalLM, kv_caches: KVCaches, batch: Dev
 
 
 def _decode_chunk(graphdef: nnx.GraphDef, params_def: jax.tree_util.PyTreeDef, rest_def: jax.tree_util.PyTreeDef,
-                  param_leaves: list[Array], rest_leaves: list[Array], kv_caches: KVCaches, batch: DeviceBatch,
-                  *, num_top: int, max_steps: int) -> tuple[KVCaches, SamplerOutput]:
+                  kv_sharding: NamedSharding | None, param_leaves: list[Array], rest_leaves: list[Array],
+                  kv_caches: KVCaches, batch: DeviceBatch, *, num_top: int, max_steps: int
+                  ) -> tuple[KVCaches, SamplerOutput]:
     """Up to `max_steps` decode steps in one device loop (multi-step decode); outputs are `[max_steps, R * N]`.
 
     Step t feeds each row the token sampled at step t - 1 at position `positions + t`. A row stays
@@ -101,7 +110,8 @@ def _decode_chunk(graphdef: nnx.GraphDef, params_def: jax.tree_util.PyTreeDef, r
             batch, token_ids=token_ids, positions=positions,
             md=dataclasses.replace(md, slot_mapping=slots, kv_lens=jnp.where(chunk.num_steps > 0, positions + 1, 0)),
             sampling=dataclasses.replace(sampling, positions=positions + 1, suppress_ids=suppress), chunk=None)
-        kv, out, _, _ = _forward_and_sample(model, kv, step, num_top=num_top, token_logprobs=False)
+        kv, out, _, _ = _forward_and_sample(model, kv, step, num_top=num_top, token_logprobs=False,
+                                            kv_sharding=kv_sharding)
         outs = jax.tree.map(lambda buf, x: buf.at[t].set(x), outs, out)
         sampled = out.token_ids.reshape(token_ids.shape).astype(token_ids.dtype)
         stopped = jnp.any(sampled[..., None] == chunk.stop_ids, axis=-1)
@@ -117,20 +127,22 @@ def _decode_chunk(graphdef: nnx.GraphDef, params_def: jax.tree_util.PyTreeDef, r
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_step(graphdef: nnx.GraphDef, params_def: jax.tree_util.PyTreeDef, rest_def: jax.tree_util.PyTreeDef
-                   ) -> Callable[..., tuple[KVCaches, SamplerOutput, TokenLogprobs | None, Array]]:
-    """The jitted step of one model structure: engines over the same structure share compiled programs.
+def compiled_step(graphdef: nnx.GraphDef, params_def: jax.tree_util.PyTreeDef, rest_def: jax.tree_util.PyTreeDef,
+                  kv_sharding: NamedSharding | None = None
+                  ) -> Callable[..., tuple[KVCaches, SamplerOutput, TokenLogprobs | None, Array]]:
+    """The jitted step of one model structure and cache layout: engines over the same structure share
+    compiled programs.
 
     It takes the parameters as flat lists of arrays, not `nnx.State`s: jit's per-call argument
     handling of ~300 `nnx.Variable` nodes cost ~1.5 ms per step on CPU (a B=1 decode step is ~35 ms).
     """
-    return jax.jit(functools.partial(_step, graphdef, params_def, rest_def),
+    return jax.jit(functools.partial(_step, graphdef, params_def, rest_def, kv_sharding),
                    static_argnames=("num_top", "token_logprobs", "aux_layers"), donate_argnums=(2,))
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_chunk(graphdef: nnx.GraphDef, params_def: jax.tree_util.PyTreeDef, rest_def: jax.tree_util.PyTreeDef
-                    ) -> Callable[..., tuple[KVCaches, SamplerOutput]]:
+def compiled_chunk(graphdef: nnx.GraphDef, params_def: jax.tree_util.PyTreeDef, rest_def: jax.tree_util.PyTreeDef,
+                   kv_sharding: NamedSharding | None = None) -> Callable[..., tuple[KVCaches, SamplerOutput]]:
     """The jitted multi-step decode program of one model structure (shared like `compiled_step`)."""
-    return jax.jit(functools.partial(_decode_chunk, graphdef, params_def, rest_def),
+    return jax.jit(functools.partial(_decode_chunk, graphdef, params_def, rest_def, kv_sharding),
                    static_argnames=("num_top", "max_steps"), donate_argnums=(2,))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -79,6 +81,8 @@ def test_data_parallel_replicas_own_their_kv_blocks(setup: tuple) -> None:
     many = prompts * 3
     outs = engine.generate(many, SamplingParams(temperature=0, max_tokens=12, logprobs=0))
     assert engine.stats().num_preemptions > 0
+    kv = engine.runner.kv_caches[0]  # the steps hand the cache back in its own layout
+    assert sum(s.data.nbytes for s in kv.addressable_shards if s.device == device) == kv.nbytes // 4
     for a, b in zip(outs, ref * 3):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         np.testing.assert_allclose([t.logprob for t in a.outputs[0].logprobs],
@@ -197,3 +201,101 @@ def test_eagle3_drafting_on_a_mesh_equals_single_device(setup: tuple, mesh: tupl
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=12, logprobs=0))
     assert_same_as_single_device(outs, ref)
     assert engine.stats().speculative.drafted_tokens > 0
+    cache, main = engine.runner.drafter.cache, engine.runner.kv_caches[0]
+    assert cache.kv.sharding.is_equivalent_to(main.sharding, cache.kv.ndim)  # the steps kept both layouts
+    want = jax.sharding.NamedSharding(engine.runner.mesh, jax.sharding.PartitionSpec("data" if mesh[0] > 1 else None))
+    assert cache.hidden.sharding.is_equivalent_to(want, cache.hidden.ndim)
+
+
+@pytest.mark.parametrize(("heads", "axis", "q_heads", "kv_heads"), [
+    ((8, 4), 4, tuple(range(8)), (0, 1, 2, 3)),  # divides: the checkpoint's own heads
+    ((9, 3), 4, (*range(9), -1, -1, -1), (0, 1, 2, -1)),  # SmolLM2: pad 9 / 3 -> 12 / 4
+    ((8, 2), 4, tuple(range(8)), (0, 0, 1, 1)),  # replicate each KV head for half its group
+    ((3, 1), 4, (0, 1, 2, -1), (0, 0, 0, 0)),  # one KV head on every device, 3 query heads padded to 4
+    ((6, 6), 4, (*range(6), -1, -1), (*range(6), -1, -1)),  # multi-head attention: pad 6 -> 8
+], ids=str)
+def test_head_layout_gives_every_device_whole_heads(heads: tuple[int, int], axis: int, q_heads: tuple,
+                                                    kv_heads: tuple) -> None:
+    from runner.models.head_layout import HeadLayout
+
+    layout = HeadLayout.for_axis(*heads, 8, axis)
+    assert (layout.q_heads, layout.kv_heads) == (q_heads, kv_heads)
+    assert len(layout.kv_heads) % axis == 0 and len(layout.q_heads) % axis == 0
+    assert layout.is_identity == (heads == (8, 4))
+    with pytest.raises(ValueError, match="would read KV head"):  # a query head moved to another group
+        HeadLayout(8, 4, 2, (2, 1, 0, 3), (0, 1))
+
+
+@pytest.mark.parametrize("heads", [(9, 3), (8, 2), (3, 1)], ids=str)
+def test_heads_the_model_axis_does_not_divide(heads: tuple[int, int]) -> None:
+    """(1, 4) with 9/3 heads (padded), 8/2 (KV replicated) and 3/1: the stored model computes the
+    checkpoint's function, the KV cache is split by head, and `sync_weights` takes the trainer's
+    (checkpoint-layout) parameters."""
+    from runner.models.head_layout import with_head_layout
+
+    cfg = ModelConfig(family="qwen2", vocab_size=96, hidden_size=72, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=heads[0], num_key_value_heads=heads[1], head_dim=8, qkv_bias=True)
+    model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(3))
+    ids, pos = np.arange(20)[None] % 96, np.arange(20)[None]
+    stored = with_head_layout(model, 4)
+    assert stored.config.num_key_value_heads == 4 and stored.config.head_layout is not None
+    np.testing.assert_allclose(np.asarray(stored(ids, pos)), np.asarray(model(ids, pos)), atol=1e-5)
+
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 96, size=int(n)).tolist() for n in (5, 30, 17)]
+    sp = SamplingParams(temperature=0, max_tokens=10, logprobs=0)
+    engine = Engine.from_model(model, IdTokenizer(), mesh=(1, 4), **KW)
+    assert_same_as_single_device(engine.generate(prompts, sp), Engine.from_model(model, IdTokenizer(), **KW)
+                                 .generate(prompts, sp))
+    kv = engine.runner.kv_caches[0]
+    device = engine.runner.mesh.devices.flat[0]
+    assert sum(s.data.nbytes for s in kv.addressable_shards if s.device == device) == kv.nbytes // 4
+
+    policy = LlamaForCausalLM(cfg, rngs=nnx.Rngs(8))
+    for _ in range(2):  # the second sync reuses the first one's programs
+        before = engine.stats().num_compilations
+        engine.sync_weights(nnx.split(policy, nnx.Param, ...)[1])  # the trainer's 9/3 (8/2, 3/1) layout
+    assert engine.stats().num_compilations == before
+    # the engine's replicated copies (norms) never share a buffer with the trainer's arrays
+    assert not any(v[...].is_deleted() for _, v in nnx.to_flat_state(nnx.split(policy, nnx.Param, ...)[1]))
+    assert_same_as_single_device(engine.generate(prompts, sp), Engine.from_model(policy, IdTokenizer(), **KW)
+                                 .generate(prompts, sp))
+    engine.sync_weights(nnx.split(engine.model, nnx.Param, ...)[1])  # its own stored layout syncs as is
+    with pytest.raises(Exception, match="nor expands to it"):
+        bad = dataclasses.replace(cfg, num_attention_heads=heads[0] * 2, num_key_value_heads=heads[1] * 2)
+        engine.sync_weights(nnx.split(LlamaForCausalLM(bad, rngs=nnx.Rngs(0)), nnx.Param, ...)[1])
+    assert_same_as_single_device(engine.generate(prompts, sp), Engine.from_model(policy, IdTokenizer(), **KW)
+                                 .generate(prompts, sp))
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "gguf"])
+def test_sharded_load_pads_heads_reading_slices_only(tmp_path, fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 6 / 3-head llama checkpoint onto (1, 4): stored as 8 / 4 heads, every device reads only
+    its own slice of the source (the padded device's query / KV slices read nothing), and the
+    model equals the unsharded load."""
+    from helpers_models import hf_config, random_tensors, write_gguf, write_hf_dir
+
+    import runner.models.loader as loader
+
+    hf = hf_config("llama", num_attention_heads=6, num_key_value_heads=3, hidden_size=48, intermediate_size=64)
+    tensors = random_tensors(hf)
+    path = (write_hf_dir(tmp_path / "ckpt", hf, tensors) if fmt == "safetensors"
+            else write_gguf(tmp_path / "tiny.gguf", hf, tensors))
+    reads: list[tuple[tuple[int, ...], int]] = []
+    real = loader.ExpandedColumns.__getitem__
+
+    def recording(self, index):  # noqa: ANN001, ANN202
+        out = real(self, index)
+        reads.append((self.shape, int((self.index[index[self.axis]] >= 0).sum())))
+        return out
+
+    monkeypatch.setattr(loader.ExpandedColumns, "__getitem__", recording)
+    model, cfg = loader.load_model(str(path), mesh=make_mesh((1, 4)))
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (8, 4) and cfg.head_layout is not None
+    assert len(reads) == 4 * 7 * hf["num_hidden_layers"]  # q/k/v kernels and biases, o kernel: 4 slices each
+    assert sorted({n for _, n in reads}) == [0, 8, 16]  # head_dim 8: a KV head, two query heads, or padding
+    kernel = model.layers[0].self_attn.k_proj.kernel[...]
+    assert all(s.data.shape[1] == 8 for s in kernel.addressable_shards)
+    reference, _ = loader.load_model(str(path))
+    ids, pos = np.arange(10)[None] % hf["vocab_size"], np.arange(10)[None]
+    np.testing.assert_allclose(np.asarray(model(ids, pos)), np.asarray(reference(ids, pos)), atol=1e-5)

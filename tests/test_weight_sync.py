@@ -367,3 +367,23 @@ def test_lora_merge(layout: str) -> None:
     assert len(e.value.problems) == 3, e.value
     after = flat(state)
     assert all(np.array_equal(before[k], after[k]) for k in before)
+
+
+def test_takes_expand_a_source_into_padded_or_replicated_columns() -> None:
+    """`takes` (the engine's attention heads padded / replicated for a mesh): host and device sources
+    land in the expanded columns, zeros where the index is -1; a target-shaped source is copied as is,
+    and a source that fits neither is refused with the reason."""
+    w = np.arange(12, dtype=np.float32).reshape(2, 6)
+    index = (0, 1, 2, 3, -1, -1, 4, 5, 4, 5)  # columns 0-3, two zero columns, 4-5 twice
+    want = np.concatenate([w[:, :4], np.zeros((2, 2), np.float32), w[:, 4:], w[:, 4:]], axis=1)
+    for source in (w, jnp.asarray(w)):
+        target = {"w": jnp.zeros((2, 10), jnp.float32)}
+        plan = ws.plan({"w": source}, target, "identity", takes={"w": (1, index)})
+        out = ws.apply(plan, {"w": source}, target)
+        np.testing.assert_array_equal(np.asarray(out["w"]), want)
+    same = ws.apply(ws.plan({"w": want}, target, "identity", takes={"w": (1, index)}), {"w": want}, target)
+    np.testing.assert_array_equal(np.asarray(same["w"]), want)
+    with pytest.raises(ws.WeightSyncError, match="nor expands to it"):
+        ws.plan({"w": np.zeros((2, 5), np.float32)}, target, "identity", takes={"w": (1, index)})
+    with pytest.raises(ws.WeightSyncError, match=r"shape \[2, 6\] after transform != target \[2, 10\]$"):
+        ws.plan({"w": w}, target, "identity")

@@ -3,8 +3,9 @@
 For each target tensor (in target order):
 
 - trivial op (same layout and dtype) on device: `jax.device_put(x, target.sharding,
-  may_alias=False)` — always a fresh copy, so the engine never shares a buffer with the trainer
-  (which may donate or delete its own);
+  may_alias=False)`, copied once more when the result still holds one of the source's buffers
+  (a replicated target reuses the source's shard on its device) — always a fresh copy, so the
+  engine never shares a buffer with the trainer (which may donate or delete its own);
 - host (numpy) sources: transform with numpy, then `jax.device_put` to the target sharding;
 - device sources on the target's devices: one cached jitted transform with
   `out_shardings=target.sharding`;
@@ -55,7 +56,8 @@ def produce(xs: list[jax.Array | np.ndarray], op: TargetOp, sharding: jax.shardi
         return jax.device_put(tf.on_host(xs, t), sharding)
     xs = [jnp.asarray(x) if isinstance(x, np.ndarray) else x for x in xs]
     if len(xs) == 1 and t.is_trivial(str(jnp.dtype(xs[0].dtype))):
-        return jax.device_put(xs[0], sharding, may_alias=False)
+        out = jax.device_put(xs[0], sharding, may_alias=False)
+        return jnp.copy(out) if _shares_buffers(out, xs[0]) else out
     if all(x.sharding.device_set == sharding.device_set for x in xs):
         return tf.jitted(t, sharding)(*xs)
     tmp = tf.jitted(t, None)(*xs)
@@ -63,6 +65,14 @@ def produce(xs: list[jax.Array | np.ndarray], op: TargetOp, sharding: jax.shardi
     if out is not tmp:
         tmp.delete()
     return out
+
+
+def _shares_buffers(a: jax.Array, b: jax.Array) -> bool:
+    """Whether `a` holds one of `b`'s buffers: `device_put(may_alias=False)` onto a replicated sharding
+    reuses the source's shard on its own device (JAX 0.10.2), and deleting the engine's copy later
+    would delete the trainer's array."""
+    ours = {s.data.unsafe_buffer_pointer() for s in a.addressable_shards}
+    return any(s.data.unsafe_buffer_pointer() in ours for s in b.addressable_shards)
 
 
 def apply(plan: SyncPlan, src_tree: PyTree, target_state: PyTree, *, check_finite: bool = False,

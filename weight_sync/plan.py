@@ -16,6 +16,7 @@ import collections
 import dataclasses
 import hashlib
 import math
+from typing import Mapping
 
 import jax.numpy as jnp
 import numpy as np
@@ -26,6 +27,7 @@ from weight_sync.presets import MappingLike, resolve
 from weight_sync.rules import Rule, substitute
 
 Shape = tuple[int, ...]
+Take = tuple[int, tuple[int, ...]]  # (axis, index into the source's axis of every target entry; -1 = zero)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,11 +41,12 @@ class Transform:
     split_start: int
     split_size: int
     dtype: str  # the target's dtype: the result is always cast to it
+    take: Take | None = None  # last: rows / columns of the target picked from the result (see `plan`)
 
     def is_trivial(self, src_dtype: str) -> bool:
         """True when the target is the (single) source as is: a plain device_put suffices."""
         return (self.concat_axis is None and self.transpose is None and self.reshape is None
-                and self.split_axis is None and self.dtype == src_dtype)
+                and self.split_axis is None and self.take is None and self.dtype == src_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,25 +108,34 @@ def _shape_after(shapes: list[Shape], rule: Rule) -> tuple[Shape | None, str | N
     return shape, None
 
 
-def plan(src_tree: PyTree, target_state: PyTree, mapping: MappingLike = None) -> SyncPlan:
-    """Validate a sync of `src_tree` into `target_state` under `mapping`; raise one error or plan."""
+def plan(src_tree: PyTree, target_state: PyTree, mapping: MappingLike = None, *,
+         takes: Mapping[str, Take] | None = None) -> SyncPlan:
+    """Validate a sync of `src_tree` into `target_state` under `mapping`; raise one error or plan.
+
+    `takes`: target path -> (axis, index) for targets stored in an expanded layout (the engine's
+    attention heads padded or replicated for a mesh): a source whose shape matches the target's
+    with `len(index)` replaced by the source's own size along `axis` is expanded by taking entry
+    `index[i]` (zeros for -1) along that axis. A source already in the target's shape is copied as is.
+    """
     rules = resolve(mapping)
     src, tgt = flatten(src_tree, what="source"), flatten(target_state, what="target")
     fp = fingerprint(rules, src, tgt)
-    cached = _CACHE.get(fp)
+    takes = dict(takes or {})
+    key = fp if not takes else hashlib.sha256(repr((fp, sorted(takes.items()))).encode()).hexdigest()[:32]
+    cached = _CACHE.get(key)
     if cached is not None:
         return cached
-    result = _build(rules, src, tgt, fp)
+    result = _build(rules, src, tgt, fp, takes)
     if len(_CACHE) >= 64:
         _CACHE.pop(next(iter(_CACHE)))
-    _CACHE[fp] = result
+    _CACHE[key] = result
     return result
 
 
 _CACHE: dict[str, SyncPlan] = {}
 
 
-def _build(rules: tuple[Rule, ...], src: FlatTree, tgt: FlatTree, fp: str) -> SyncPlan:
+def _build(rules: tuple[Rule, ...], src: FlatTree, tgt: FlatTree, fp: str, takes: dict[str, Take]) -> SyncPlan:
     problems: list[str] = []
     s_shape = {p: (tuple(x.shape), str(jnp.dtype(x.dtype))) for p, x in zip(src.paths, src.leaves)}
     t_shape = {p: (tuple(x.shape), str(jnp.dtype(x.dtype))) for p, x in zip(tgt.paths, tgt.leaves)}
@@ -162,7 +174,7 @@ def _build(rules: tuple[Rule, ...], src: FlatTree, tgt: FlatTree, fp: str) -> Sy
         if err is not None:
             problems.append(f"{list(srcs)} -> {targets}: {err}")
             continue
-        ops.extend(_split_ops(rule, ri, srcs, targets, shape, s_shape, t_shape, problems))
+        ops.extend(_split_ops(rule, ri, srcs, targets, shape, s_shape, t_shape, takes, problems))
     filled = collections.Counter(op.target for op in ops)
     for t, n in filled.items():
         if n > 1:
@@ -180,7 +192,7 @@ def _build(rules: tuple[Rule, ...], src: FlatTree, tgt: FlatTree, fp: str) -> Sy
 
 def _split_ops(rule: Rule, ri: int, srcs: tuple[str, ...], targets: list[str], shape: Shape,
                s_shape: dict[str, tuple[Shape, str]], t_shape: dict[str, tuple[Shape, str]],
-               problems: list[str]) -> list[TargetOp]:
+               takes: dict[str, Take], problems: list[str]) -> list[TargetOp]:
     """One op per target; checks split sizes, final shapes and dtypes."""
     where = f"{list(srcs)} -> {targets if len(targets) > 1 else targets[0]}"
     if rule.split is not None:
@@ -201,8 +213,11 @@ def _split_ops(rule: Rule, ri: int, srcs: tuple[str, ...], targets: list[str], s
     ok = True
     for t, (ax, st, sz, pshape) in zip(targets, pieces):
         tshape, tdtype = t_shape[t]
-        if pshape != tshape:
-            problems.append(f"{list(srcs)} -> {t!r}: shape {list(pshape)} after transform != target {list(tshape)}")
+        take = _fitting_take(pshape, tshape, takes.get(t))
+        if pshape != tshape and take is None:
+            expanded = " (nor expands to it by the target's layout)" if t in takes else ""
+            problems.append(f"{list(srcs)} -> {t!r}: shape {list(pshape)} after transform != target "
+                            f"{list(tshape)}{expanded}")
             ok = False
         if rule.dtype is not None and rule.dtype != tdtype:
             problems.append(f"{list(srcs)} -> {t!r}: rule dtype {rule.dtype} != target dtype {tdtype}")
@@ -212,5 +227,17 @@ def _split_ops(rule: Rule, ri: int, srcs: tuple[str, ...], targets: list[str], s
             if err:
                 problems.append(f"{s!r} -> {t!r}: {err}")
                 ok = False
-        ops.append(TargetOp(t, srcs, Transform(rule.concat, rule.transpose, rule.reshape, ax, st, sz, tdtype), ri))
+        ops.append(TargetOp(t, srcs, Transform(rule.concat, rule.transpose, rule.reshape, ax, st, sz, tdtype, take),
+                            ri))
     return ops if ok else []
+
+
+def _fitting_take(shape: Shape, target: Shape, take: Take | None) -> Take | None:
+    """`take` when it turns `shape` into `target` (and `shape` is not `target` already), else None."""
+    if take is None or shape == target or len(shape) != len(target):
+        return None
+    axis, index = take
+    axis %= len(shape)
+    fits = (shape[:axis] + (len(index),) + shape[axis + 1:] == target and max(index) < shape[axis]
+            and {i for i in index if i >= 0} == set(range(shape[axis])))  # every source entry lands somewhere
+    return (axis, tuple(index)) if fits else None

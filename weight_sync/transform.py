@@ -21,7 +21,7 @@ HostOrDevice = Shaped[Array, "..."] | Shaped[np.ndarray, "..."]
 
 
 def run(xs: Sequence[HostOrDevice], t: Transform, xp: ModuleType) -> HostOrDevice:
-    """concat -> transpose -> reshape -> split -> cast, with `xp` = numpy or jax.numpy."""
+    """concat -> transpose -> reshape -> split -> take -> cast, with `xp` = numpy or jax.numpy."""
     x = xs[0] if t.concat_axis is None else xp.concatenate(list(xs), axis=t.concat_axis)
     if t.transpose is not None:
         x = xp.transpose(x, t.transpose)
@@ -31,6 +31,11 @@ def run(xs: Sequence[HostOrDevice], t: Transform, xp: ModuleType) -> HostOrDevic
         index = [slice(None)] * x.ndim
         index[t.split_axis] = slice(t.split_start, t.split_start + t.split_size)
         x = x[tuple(index)]
+    if t.take is not None:
+        axis, entries = t.take
+        picks = np.asarray(entries)
+        keep = (picks >= 0).reshape([-1 if a == axis else 1 for a in range(x.ndim)])
+        x = xp.where(keep, xp.take(x, np.maximum(picks, 0), axis=axis), xp.zeros((), x.dtype))
     return x.astype(jnp.dtype(t.dtype))
 
 

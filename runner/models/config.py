@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
+from runner.models.head_layout import HeadLayout
+
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
@@ -48,6 +50,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     param_dtype: str = "float32"
     dtype: str = "float32"  # compute dtype
+    # Set when the heads above are padded / replicated for a tensor-parallel mesh: maps them to the
+    # checkpoint's (trainer's) heads, whose layout `sync_weights` accepts (`runner.models.head_layout`).
+    head_layout: HeadLayout | None = None
 
     def __post_init__(self) -> None:
         if self.family not in SUPPORTED_ARCHITECTURES.values():

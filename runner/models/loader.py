@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 
 from runner.models.checkpoint import read_checkpoint
 from runner.models.config import ModelConfig
+from runner.models.head_layout import Expansion, HeadLayout, stored_config
 from runner.models.llama import LlamaForCausalLM, rope_inv_freq
 from runner.sharding import param_sharding
 
@@ -65,8 +66,15 @@ def model_from_hf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray], *, m
     """Build the model with its parameters taken from HF-named `[out, in]` tensors.
 
     With a `mesh`, each tensor goes from the host straight into its sharded layout
-    (`runner.sharding` rules): no device ever holds a full copy of a tensor it does not own.
+    (`runner.sharding` rules): no device ever holds a full copy of a tensor it does not own. Heads
+    the mesh's `model` axis does not divide are padded / replicated on the way
+    (`runner.models.head_layout`): the model's config then says so.
     """
+    layout = None
+    if mesh is not None and mesh.shape["model"] > 1:
+        stored = stored_config(cfg, mesh.shape["model"])
+        layout, cfg = (None if stored is cfg else HeadLayout.for_axis(
+            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, mesh.shape["model"])), stored
     abstract = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, rngs=nnx.Rngs(0)))
     graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
     flat = {_path_str(k): v for k, v in nnx.to_flat_state(params)}
@@ -89,6 +97,9 @@ def model_from_hf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray], *, m
             problems.append(f"two checkpoint tensors map to {target!r}")
             continue
         arr = array.T if transpose else array  # a view: memory-mapped sources stay unread
+        expansion = layout.expansion(target) if layout is not None else None
+        if expansion is not None:
+            arr = ExpandedColumns(arr, expansion)
         want = flat[target].value
         if arr.shape != want.shape:
             problems.append(f"{name!r}: shape {arr.shape} (after layout change) != model's {want.shape} for {target!r}")
@@ -104,6 +115,34 @@ def model_from_hf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray], *, m
     rest_state = jax.tree.map(lambda s: inv_freq, rest)
     model = nnx.merge(graphdef, params, rest_state)
     return model
+
+
+class ExpandedColumns:
+    """A lazy view of a host tensor with its head columns laid out by an `Expansion` (-1 = zeros):
+    slicing reads only the source entries the slice needs."""
+
+    def __init__(self, source: np.ndarray, expansion: Expansion) -> None:
+        self.source, (self.axis, index) = source, expansion
+        self.index = np.asarray(index)
+        self.shape = tuple(len(index) if a == self.axis else n for a, n in enumerate(source.shape))
+        self.dtype = source.dtype
+
+    def __getitem__(self, index: tuple[slice, ...]) -> np.ndarray:
+        picks = self.index[index[self.axis]]
+        keep = picks >= 0
+        read = list(index)
+        read[self.axis] = picks[keep]
+        values = np.asarray(self.source[tuple(read)])
+        shape = [len(picks) if a == self.axis else n for a, n in enumerate(values.shape)]
+        out = np.zeros(shape, values.dtype)
+        where: list[slice | np.ndarray] = [slice(None)] * values.ndim
+        where[self.axis] = np.flatnonzero(keep)
+        out[tuple(where)] = values
+        return out
+
+    def __array__(self, dtype: np.dtype | None = None, copy: bool | None = None) -> np.ndarray:
+        out = self[tuple(slice(None) for _ in self.shape)]
+        return out if dtype is None else out.astype(dtype, copy=False)
 
 
 def _to_device(arr: np.ndarray, dtype: np.dtype, sharding: jax.sharding.Sharding | None) -> jax.Array:
@@ -130,5 +169,5 @@ def load_model(path: str | None = None, *, dtype: str = "float32", mesh: Mesh | 
         from runner.models.default_model import default_model_path
         path = default_model_path()
     ckpt = read_checkpoint(path)
-    cfg = ModelConfig.from_hf_dict(ckpt.hf_config, dtype=dtype)
-    return model_from_hf_tensors(cfg, ckpt.tensors, mesh=mesh), cfg
+    model = model_from_hf_tensors(ModelConfig.from_hf_dict(ckpt.hf_config, dtype=dtype), ckpt.tensors, mesh=mesh)
+    return model, model.config

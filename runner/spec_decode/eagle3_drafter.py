@@ -61,7 +61,19 @@ def _per_replica(fn: Callable[..., tuple], num_replicas: int, *args: Array) -> t
     return jax.vmap(fn)(*args)
 
 
-def _fill(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: TreeDefs, head_params: list[Array],
+CacheShardings = tuple[NamedSharding, NamedSharding]  # (kv, hidden) of the head's cache
+
+
+def _pinned(cache: DraftCache, shardings: CacheShardings | None) -> DraftCache:
+    """The cache in its own layout (XLA's propagation alone handed it back with the head axis replicated)."""
+    if shardings is None:
+        return cache
+    return DraftCache(jax.lax.with_sharding_constraint(cache.kv, shardings[0]),
+                      jax.lax.with_sharding_constraint(cache.hidden, shardings[1]))
+
+
+def _fill(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: TreeDefs, shardings: CacheShardings | None,
+          head_params: list[Array],
           head_rest: list[Array], params: list[Array], rest: list[Array], cache: DraftCache,
           aux: Float[Array, "R T A"], batch: DeviceBatch) -> DraftCache:
     head = _merge(head_gd, defs[0], defs[1], head_params, head_rest)
@@ -69,10 +81,11 @@ def _fill(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: TreeDefs, head_p
     fn = functools.partial(fill_cache, head, target)
     kv, hidden = _per_replica(fn, cache.kv.shape[0], cache.kv, cache.hidden, aux, batch.token_ids, batch.positions,
                               batch.md.slot_mapping, batch.prev_slot_mapping)
-    return DraftCache(kv, hidden)
+    return _pinned(DraftCache(kv, hidden), shardings)
 
 
-def _draft(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: TreeDefs, head_params: list[Array],
+def _draft(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: TreeDefs, shardings: CacheShardings | None,
+           head_params: list[Array],
            head_rest: list[Array], params: list[Array], rest: list[Array], cache: DraftCache,
            last_token_ids: Int[Array, "R S"], positions: Int[Array, "R S"], page_indices: Int[Array, "R S W"],
            num_seqs: Int[Array, "R 1"], *, num_steps: int) -> tuple[DraftCache, Int[Array, "R S K"]]:
@@ -84,15 +97,15 @@ def _draft(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: TreeDefs, head_
         return draft_paged(head, target, kv, hid, tok, pos, pages, n, num_steps=num_steps)
 
     kv, drafts = _per_replica(fn, cache.kv.shape[0], cache.kv, hidden, last_token_ids, positions, page_indices, num_seqs)
-    return DraftCache(kv, hidden), drafts
+    return _pinned(DraftCache(kv, hidden), shardings), drafts
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: TreeDefs
+def _compiled(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: TreeDefs, shardings: CacheShardings | None
               ) -> tuple[Callable[..., DraftCache], Callable[..., tuple]]:
-    """The jitted fill and draft programs of one (head, target) structure, shared by engines."""
-    fill = jax.jit(functools.partial(_fill, head_gd, target_gd, defs), donate_argnums=(4,))
-    draft = jax.jit(functools.partial(_draft, head_gd, target_gd, defs), static_argnames=("num_steps",),
+    """The jitted fill and draft programs of one (head, target) structure and cache layout, shared by engines."""
+    fill = jax.jit(functools.partial(_fill, head_gd, target_gd, defs, shardings), donate_argnums=(4,))
+    draft = jax.jit(functools.partial(_draft, head_gd, target_gd, defs, shardings), static_argnames=("num_steps",),
                     donate_argnums=(4,))
     return fill, draft
 
@@ -115,12 +128,14 @@ class Eagle3Drafter:
         kv_shape = (r, 2, cfg.num_key_value_heads, p, page, cfg.head_dim)
         hidden_shape = (r, p, page, cfg.hidden_size)
         hidden_sharding = NamedSharding(mesh, PartitionSpec("data" if r > 1 else None))
+        kv_sharding = kv_cache_sharding(kv_shape, mesh)
         self.cache = DraftCache(
-            kv=jax.jit(lambda: jnp.zeros(kv_shape, cfg.dtype), out_shardings=kv_cache_sharding(kv_shape, mesh))(),
+            kv=jax.jit(lambda: jnp.zeros(kv_shape, cfg.dtype), out_shardings=kv_sharding)(),
             hidden=jax.jit(lambda: jnp.zeros(hidden_shape, cfg.dtype), out_shardings=hidden_sharding)())
         self._input_sharding = replicated if r == 1 else NamedSharding(mesh, PartitionSpec("data"))
         defs = (jax.tree.structure(self.params), jax.tree.structure(self.rest), *target_defs)
-        self._fill_fn, self._draft_fn = _compiled(graphdef, target_graphdef, defs)
+        shardings = (kv_sharding, hidden_sharding) if mesh.size > 1 else None
+        self._fill_fn, self._draft_fn = _compiled(graphdef, target_graphdef, defs, shardings)
 
     @property
     def head(self) -> Eagle3Head:
