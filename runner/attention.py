@@ -140,18 +140,22 @@ def write_kv(
 ) -> Float[Array, "2 Hkv P page D"]:
     """Scatter this step's K and V into their slots; out-of-range slots are dropped.
 
-    Written as one scatter of `head_dim` rows into the cache viewed as `[2 * Hkv * P * page, D]`:
-    a scatter along an inner axis makes XLA:CPU copy the whole cache when a step has one token.
+    One scatter of `head_dim` rows indexed by (page, offset), with the K/V and head axes as explicit
+    batching dimensions: XLA:CPU updates the cache in place (a scatter along an inner axis made it
+    copy the whole cache for a one-token step), and GSPMD partitions it along a head-sharded cache
+    with no collective (flattening the head axis into the rows made it all-gather the whole cache
+    in every layer of a tensor-parallel step).
     """
-    two, num_kv_heads, num_pages, page_size, head_dim = kv_pages.shape
-    num_slots = num_pages * page_size
-    kv = jnp.stack([k, v]).transpose(0, 2, 1, 3).astype(kv_pages.dtype)  # [2, Hkv, T, D]
-    plane = jnp.arange(two * num_kv_heads, dtype=jnp.int32)[:, None] * num_slots  # [2Hkv, 1]
-    in_range = (slot_mapping >= 0) & (slot_mapping < num_slots)
-    rows = jnp.where(in_range[None, :], plane + slot_mapping[None, :], two * num_kv_heads * num_slots)
-    flat = kv_pages.reshape(two * num_kv_heads * num_slots, head_dim)
-    flat = flat.at[rows.reshape(-1)].set(kv.reshape(-1, head_dim), mode="drop")
-    return flat.reshape(kv_pages.shape)
+    two, num_kv_heads, num_pages, page_size, _ = kv_pages.shape
+    in_range = (slot_mapping >= 0) & (slot_mapping < num_pages * page_size)
+    page = jnp.where(in_range, slot_mapping // page_size, num_pages)  # past the last page: dropped
+    index = jnp.stack([page, slot_mapping % page_size], axis=-1).astype(jnp.int32)  # [T, 2]
+    index = jnp.broadcast_to(index, (two, num_kv_heads, *index.shape))
+    updates = jnp.stack([k, v]).transpose(0, 2, 1, 3).astype(kv_pages.dtype)  # [2, Hkv, T, D]
+    dims = jax.lax.ScatterDimensionNumbers(
+        update_window_dims=(3,), inserted_window_dims=(2, 3), scatter_dims_to_operand_dims=(2, 3),
+        operand_batching_dims=(0, 1), scatter_indices_batching_dims=(0, 1))
+    return jax.lax.scatter(kv_pages, index, updates, dims, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
 
 
 def ragged_paged_attention(

@@ -262,3 +262,19 @@ def test_kv_head_sharded_cache_is_never_gathered(common: int | None) -> None:
     assert not collectives, collectives
     out = np.asarray(compiled(q_sharded, kv_sharded))
     np.testing.assert_allclose(out, reference(queries, kv, q_lens, kv_lens, tables, 0.3), atol=2e-5)
+
+    # the step's K/V write into the same sharded cache: no collective either, and in the right slots
+    num_slots = kv.shape[2] * kv.shape[3]
+    slots = np.asarray([5, num_slots - 1, -1, num_slots], np.int32)  # the last two are dropped
+    new_k = np.random.default_rng(1).standard_normal((4, HKV, kv.shape[-1])).astype(np.float32)
+    shard = NamedSharding(mesh, PartitionSpec(None, "model"))
+    write = jax.jit(write_kv, out_shardings=NamedSharding(mesh, PartitionSpec(None, "model")))
+    lowered = write.lower(kv_sharded, jax.device_put(new_k, shard), jax.device_put(-new_k, shard), jnp.asarray(slots))
+    collectives = re.findall(r"all-gather|all-to-all|collective-permute|all-reduce", lowered.compile().as_text())
+    assert not collectives, collectives
+    written = np.asarray(write(kv_sharded, jax.device_put(new_k, shard), jax.device_put(-new_k, shard), jnp.asarray(slots)))
+    want = np.asarray(kv).copy()
+    for t, slot in enumerate(slots[:2]):
+        page, offset = divmod(int(slot), kv.shape[3])
+        want[0, :, page, offset], want[1, :, page, offset] = new_k[t], -new_k[t]
+    np.testing.assert_array_equal(written, want)
