@@ -54,9 +54,10 @@ def _merge(graphdef: nnx.GraphDef, params_def: PyTreeDef, rest_def: PyTreeDef, p
     return nnx.merge(graphdef, jax.tree.unflatten(params_def, params), jax.tree.unflatten(rest_def, rest))
 
 
-def _per_replica(fn: Callable[..., tuple], num_replicas: int, *args: Array) -> tuple:
-    """`fn` over the leading replica axis (no vmap for one replica: the plain program)."""
-    if num_replicas == 1:
+def _per_replica(fn: Callable[..., tuple], num_replicas: int, on_mesh: bool, *args: Array) -> tuple:
+    """`fn` over the leading replica axis (no vmap for one replica on one device: the plain program;
+    see `runner.step_program` for why a mesh keeps the vmap)."""
+    if num_replicas == 1 and not on_mesh:
         return jax.tree.map(lambda x: x[None], fn(*jax.tree.map(lambda x: x[0], args)))
     return jax.vmap(fn)(*args)
 
@@ -79,7 +80,8 @@ def _fill(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: TreeDefs, shardi
     head = _merge(head_gd, defs[0], defs[1], head_params, head_rest)
     target = _merge(target_gd, defs[2], defs[3], params, rest)
     fn = functools.partial(fill_cache, head, target)
-    kv, hidden = _per_replica(fn, cache.kv.shape[0], cache.kv, cache.hidden, aux, batch.token_ids, batch.positions,
+    kv, hidden = _per_replica(fn, cache.kv.shape[0], shardings is not None, cache.kv, cache.hidden, aux,
+                              batch.token_ids, batch.positions,
                               batch.md.slot_mapping, batch.prev_slot_mapping)
     return _pinned(DraftCache(kv, hidden), shardings)
 
@@ -96,7 +98,8 @@ def _draft(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: TreeDefs, shard
     def fn(kv: Array, hid: Array, tok: Array, pos: Array, pages: Array, n: Array) -> tuple[Array, Array]:
         return draft_paged(head, target, kv, hid, tok, pos, pages, n, num_steps=num_steps)
 
-    kv, drafts = _per_replica(fn, cache.kv.shape[0], cache.kv, hidden, last_token_ids, positions, page_indices, num_seqs)
+    kv, drafts = _per_replica(fn, cache.kv.shape[0], shardings is not None, cache.kv, hidden, last_token_ids, positions,
+                              page_indices, num_seqs)
     return _pinned(DraftCache(kv, hidden), shardings), drafts
 
 
