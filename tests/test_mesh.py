@@ -239,6 +239,8 @@ def test_heads_the_model_axis_does_not_divide(heads: tuple[int, int]) -> None:
     ids, pos = np.arange(20)[None] % 96, np.arange(20)[None]
     stored = with_head_layout(model, 4)
     assert stored.config.num_key_value_heads == 4 and stored.config.head_layout is not None
+    from runner.spec_decode.eagle3 import Eagle3HeadConfig  # a head for it has the checkpoint's heads
+    assert Eagle3HeadConfig.for_target(stored.config).num_key_value_heads == heads[1]
     np.testing.assert_allclose(np.asarray(stored(ids, pos)), np.asarray(model(ids, pos)), atol=1e-5)
 
     rng = np.random.default_rng(1)

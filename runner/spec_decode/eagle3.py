@@ -78,9 +78,13 @@ class Eagle3HeadConfig:
     @classmethod
     def for_target(cls, target: ModelConfig, *, draft_vocab_size: int | None = None,
                    aux_layer_ids: tuple[int, ...] | None = None) -> "Eagle3HeadConfig":
-        """A head shaped like one layer of `target` (the usual choice); `draft_vocab_size` None = shared lm_head."""
-        return cls(hidden_size=target.hidden_size, num_attention_heads=target.num_attention_heads,
-                   num_key_value_heads=target.num_key_value_heads, head_dim=target.head_dim,
+        """A head shaped like one layer of `target` (the usual choice; the checkpoint's heads when the
+        target's are padded for a mesh); `draft_vocab_size` None = shared lm_head."""
+        layout = target.head_layout
+        heads = ((target.num_attention_heads, target.num_key_value_heads) if layout is None
+                 else (layout.num_source_heads, layout.num_source_kv_heads))
+        return cls(hidden_size=target.hidden_size, num_attention_heads=heads[0],
+                   num_key_value_heads=heads[1], head_dim=target.head_dim,
                    intermediate_size=target.intermediate_size, vocab_size=target.vocab_size,
                    draft_vocab_size=draft_vocab_size or target.vocab_size, target_hidden_size=target.hidden_size,
                    aux_layer_ids=aux_layer_ids or default_aux_layers(target.num_hidden_layers),
