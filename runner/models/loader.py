@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 
 from runner.models.checkpoint import read_checkpoint
 from runner.models.config import ModelConfig
-from runner.models.head_layout import Expansion, HeadLayout, stored_config
+from runner.models.head_layout import Expansion, stored_config
 from runner.models.llama import LlamaForCausalLM, rope_inv_freq
 from runner.sharding import param_sharding
 
@@ -70,11 +70,9 @@ def model_from_hf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray], *, m
     the mesh's `model` axis does not divide are padded / replicated on the way
     (`runner.models.head_layout`): the model's config then says so.
     """
-    layout = None
-    if mesh is not None and mesh.shape["model"] > 1:
-        stored = stored_config(cfg, mesh.shape["model"])
-        layout, cfg = (None if stored is cfg else HeadLayout.for_axis(
-            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, mesh.shape["model"])), stored
+    if mesh is not None:
+        cfg = stored_config(cfg, mesh.shape["model"])
+    layout = cfg.head_layout  # checkpoint heads -> stored heads (None: stored as they are)
     abstract = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, rngs=nnx.Rngs(0)))
     graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
     flat = {_path_str(k): v for k, v in nnx.to_flat_state(params)}
