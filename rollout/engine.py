@@ -94,6 +94,7 @@ class Engine:
         self._compiles_at_start = num_compilations()
         self._next_id = 0
         self._generating = False
+        self._takes: dict[str, tuple[int, tuple[int, ...]]] | None = None
 
     @classmethod
     def from_pretrained(cls, path: str | None = None, *, dtype: str = "float32",
@@ -219,12 +220,12 @@ class Engine:
 
     def _head_takes(self) -> dict[str, tuple[int, tuple[int, ...]]]:
         """Per attention parameter, how the checkpoint layout expands into the stored heads (none
-        unless the mesh needed padded or replicated heads)."""
-        layout = self.model_config.head_layout
-        if layout is None:
-            return {}
-        paths = weight_sync.flatten(self.runner.params, what="target").paths
-        return {p: e for p in paths if (e := layout.expansion(p)) is not None}
+        unless the mesh needed padded or replicated heads); worked out once, the structure never changes."""
+        if self._takes is None:
+            layout = self.model_config.head_layout
+            paths = weight_sync.flatten(self.runner.params, what="target").paths if layout is not None else []
+            self._takes = {p: e for p in paths if (e := layout.expansion(p)) is not None}
+        return self._takes
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prompt prefix (the next requests recompute their prompts)."""

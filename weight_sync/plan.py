@@ -121,7 +121,7 @@ def plan(src_tree: PyTree, target_state: PyTree, mapping: MappingLike = None, *,
     src, tgt = flatten(src_tree, what="source"), flatten(target_state, what="target")
     fp = fingerprint(rules, src, tgt)
     takes = dict(takes or {})
-    key = fp if not takes else hashlib.sha256(repr((fp, sorted(takes.items()))).encode()).hexdigest()[:32]
+    key = (fp, tuple(sorted(takes.items())))
     cached = _CACHE.get(key)
     if cached is not None:
         return cached
@@ -132,7 +132,7 @@ def plan(src_tree: PyTree, target_state: PyTree, mapping: MappingLike = None, *,
     return result
 
 
-_CACHE: dict[str, SyncPlan] = {}
+_CACHE: dict[tuple[str, tuple[tuple[str, Take], ...]], SyncPlan] = {}
 
 
 def _build(rules: tuple[Rule, ...], src: FlatTree, tgt: FlatTree, fp: str, takes: dict[str, Take]) -> SyncPlan:

@@ -133,6 +133,8 @@ def expand(x: Shaped[Array, "..."] | Shaped[np.ndarray, "..."], expansion: Expan
     axis, index = expansion
     xp = np if isinstance(x, np.ndarray) else jnp
     idx = np.asarray(index)
+    if not (idx >= 0).any():  # nothing to take (e.g. a padded device's slice; `x` may be empty there)
+        return xp.zeros([len(idx) if a == axis % x.ndim else n for a, n in enumerate(x.shape)], x.dtype)
     taken = xp.take(x, np.maximum(idx, 0), axis=axis)
     mask = (idx >= 0).reshape([-1 if a == axis % x.ndim else 1 for a in range(x.ndim)])
     return xp.where(mask, taken, xp.zeros((), x.dtype))

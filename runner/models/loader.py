@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 
 from runner.models.checkpoint import read_checkpoint
 from runner.models.config import ModelConfig
-from runner.models.head_layout import Expansion, stored_config
+from runner.models.head_layout import Expansion, expand, stored_config
 from runner.models.llama import LlamaForCausalLM, rope_inv_freq
 from runner.sharding import param_sharding
 
@@ -131,12 +131,8 @@ class ExpandedColumns:
         read = list(index)
         read[self.axis] = picks[keep]
         values = np.asarray(self.source[tuple(read)])
-        shape = [len(picks) if a == self.axis else n for a, n in enumerate(values.shape)]
-        out = np.zeros(shape, values.dtype)
-        where: list[slice | np.ndarray] = [slice(None)] * values.ndim
-        where[self.axis] = np.flatnonzero(keep)
-        out[tuple(where)] = values
-        return out
+        placed = np.where(keep, np.cumsum(keep) - 1, -1)  # position of each pick among those read
+        return expand(values, (self.axis, tuple(placed.tolist())))
 
     def __array__(self, dtype: np.dtype | None = None, copy: bool | None = None) -> np.ndarray:
         out = self[tuple(slice(None) for _ in self.shape)]
