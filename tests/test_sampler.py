@@ -100,6 +100,27 @@ def test_greedy_mode_is_argmax() -> None:
     assert out.top_ids.shape == (8, 0) and out.top_logprobs.shape == (8, 0)
 
 
+@pytest.mark.parametrize("vocab", [1000, 1024, 129])
+def test_argmax_last_matches_numpy_first_maximum(vocab: int) -> None:
+    """The blocked argmax keeps numpy's rules: first index of the maximum, NaN first, all -inf -> 0."""
+    rng = np.random.default_rng(vocab)
+    x = rng.integers(-3, 3, size=(4, 6, vocab)).astype(np.float32)  # many exact ties, across blocks too
+    x[0, 0] = -np.inf
+    x[0, 1, [5, 700 % vocab]] = np.nan
+    x[0, 2, -1] = 10.0  # the maximum in the padded last block
+    x[0, 3, :] = 2.0
+    got = np.asarray(sm.argmax_last(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+    big = rng.normal(size=(64, vocab)).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(sm.argmax_last(jnp.asarray(big))), big.argmax(-1))
+
+
+def test_greedy_mode_is_argmax_over_a_large_vocabulary() -> None:
+    logits = np.random.default_rng(2).normal(size=(8, 49152)).astype(np.float32)
+    out = sample(jnp.asarray(logits), make_inputs(8, temperature=0.0), mode="greedy", num_top_logprobs=0)
+    np.testing.assert_array_equal(np.asarray(out.token_ids), logits.argmax(-1))
+
+
 @pytest.mark.parametrize("mode", ["random", "filtered"])
 def test_temperature_zero_rows_are_argmax_in_mixed_batch(mode: str) -> None:
     rows = 64

@@ -32,6 +32,7 @@ from jaxtyping import Array, Float, Int
 from runner.attention import MASK_VALUE, ragged_paged_attention, write_kv
 from runner.models.config import ModelConfig, RopeScaling
 from runner.models.llama import MLP, Linear, LlamaForCausalLM, RMSNorm, apply_rope, rope_inv_freq
+from runner.sampler import argmax_last
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
     """vLLM's choice for Llama targets, clamped into range for very shallow (test) models."""
@@ -206,7 +207,7 @@ class Eagle3Head(nnx.Module):
         return (self.lm_head(h) if self.lm_head is not None else target.compute_logits(h)).astype(jnp.float32)
 
     def greedy_target_ids(self, logits: Float[Array, "... Vd"]) -> Int[Array, "..."]:
-        d = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        d = argmax_last(logits)
         return d + self.d2t[...][d]
 
 
