@@ -278,11 +278,12 @@ def _attend_rows(
     page_indices = jnp.pad(page_indices, ((0, 0), (0, num_chunks * chunk - pages_per_seq)))
     chunk_tokens = chunk * page_size
 
-    # Vmapping over the head axis (not flattening it into the page rows) keeps a KV-head-sharded
-    # cache sharded (a reshape across that axis would make GSPMD all-gather the whole cache).
-    def gather_head(head_pages: Array, idx: Array) -> tuple[Array, Array]:  # [2, P, page, D], [S, chunk]
-        k, v = _take_pages(head_pages, idx.reshape(-1))
-        return k.reshape(num_rows, chunk_tokens, head_dim), v.reshape(num_rows, chunk_tokens, head_dim)
+    # The head axis stays a batch axis (not flattened into the page rows): a reshape across it would
+    # make GSPMD all-gather a KV-head-sharded cache.
+    def gather(idx: Array) -> tuple[Array, Array]:  # [S, chunk] -> [Hkv, S, chunk_tokens, D] each
+        k, v = _take_pages(kv_pages, idx.reshape(-1))
+        shape = (num_kv_heads, num_rows, chunk_tokens, head_dim)
+        return k.reshape(shape), v.reshape(shape)
 
     # Few query rows (decode, verification): multiply-reduce forms fuse on XLA:CPU and beat tiny batched dots.
     multiply_reduce = rows <= MULTIPLY_REDUCE_MAX_ROWS
@@ -290,7 +291,7 @@ def _attend_rows(
     def body(carry: tuple[Array, Array, Array, Array]) -> tuple[Array, Array, Array, Array]:
         c, m, l, acc = carry
         idx = jax.lax.dynamic_slice_in_dim(page_indices, c * chunk, chunk, axis=1)
-        k, v = jax.vmap(gather_head, in_axes=(1, None))(kv_pages, idx)  # [Hkv, S, chunk_tokens, D] each
+        k, v = gather(idx)
         if multiply_reduce:
             s = jnp.sum(q[:, :, :, None, :].astype(jnp.float32) * k[:, :, None, :, :], axis=-1)
         else:
@@ -320,16 +321,28 @@ def _attend_rows(
 COMMON_PAGES_PER_CHUNK = 8
 
 
-def _take_pages(head_pages: Float[Array, "2 P page D"], idx: Int[Array, "N"]
-                ) -> tuple[Float[Array, "N pageD"], Float[Array, "N pageD"]]:
-    """K and V of pages `idx` of one KV head, one row of `page * D` each.
+def _take_pages(kv_pages: Float[Array, "2 Hkv P page D"], idx: Int[Array, "N"]
+                ) -> tuple[Float[Array, "Hkv N pageD"], Float[Array, "Hkv N pageD"]]:
+    """K and V of pages `idx` for every KV head, one contiguous row of `page * D` each.
 
-    The head's cache viewed as rows `[2 * P, page * D]` (K rows, then V rows): gathering whole rows
-    of that 2-D view is faster on XLA:CPU than `take` along axis 1 of `kv_pages[i]`.
+    K (`kv_pages[0]`) and V are viewed as rows `[Hkv, P, page * D]` (no data moves) and gathered
+    with the head axis as an explicit batching dimension of the gather, so each output row is one
+    contiguous copy and a KV-head-sharded cache stays sharded. Two layouts measured slower:
+    vmapping a take over axis 1 of the whole cache fused a transpose of the whole cache into the
+    gather (elementwise index math), and vmapping a take over the heads of `kv_pages[0]` became
+    one gather of all heads per page (strided reads) followed by a transposing copy.
     """
-    two, total_pages, page_size, head_dim = head_pages.shape
-    rows = head_pages.reshape(two * total_pages, page_size * head_dim)
-    return (jnp.take(rows, idx, axis=0, mode="clip"), jnp.take(rows, idx + total_pages, axis=0, mode="clip"))
+    two, num_kv_heads, total_pages, page_size, head_dim = kv_pages.shape
+    rows = kv_pages.reshape(two, num_kv_heads, total_pages, page_size * head_dim)
+    index = jnp.broadcast_to(idx[None, :, None], (num_kv_heads, idx.shape[0], 1)).astype(jnp.int32)
+    dims = jax.lax.GatherDimensionNumbers(offset_dims=(2,), collapsed_slice_dims=(1,), start_index_map=(1,),
+                                          operand_batching_dims=(0,), start_indices_batching_dims=(0,))
+
+    def take(head_rows: Array) -> Array:  # [Hkv, P, page * D] -> [Hkv, N, page * D]
+        return jax.lax.gather(head_rows, index, dims, slice_sizes=(1, 1, page_size * head_dim),
+                              mode=jax.lax.GatherScatterMode.CLIP)
+
+    return take(rows[0]), take(rows[1])
 
 
 def _online_softmax_step(m: Array, l: Array, s: Array, mask: Array) -> tuple[Array, Array, Array, Array]:
@@ -362,14 +375,12 @@ def _common_prefix_attention(
     flat_q = q.reshape(num_kv_heads, num_rows * rows, head_dim)
     live = jnp.repeat(live_rows, rows)  # [S * R]
 
-    def gather_head(head_pages: Array, idx: Array) -> tuple[Array, Array]:  # [2, P, page, D], [chunk]
-        k, v = _take_pages(head_pages, idx)
-        return k.reshape(chunk_tokens, head_dim), v.reshape(chunk_tokens, head_dim)
-
     def body(carry: tuple[Array, Array, Array, Array]) -> tuple[Array, Array, Array, Array]:
         c, m, l, acc = carry
         idx = jax.lax.dynamic_slice_in_dim(pages, c * chunk, chunk)
-        k, v = jax.vmap(gather_head, in_axes=(1, None))(kv_pages, idx)  # [Hkv, chunk_tokens, D] each
+        k, v = _take_pages(kv_pages, idx)
+        k = k.reshape(num_kv_heads, chunk_tokens, head_dim)  # [Hkv, chunk_tokens, D] each
+        v = v.reshape(num_kv_heads, chunk_tokens, head_dim)
         s = jnp.einsum("hnd,hkd->hnk", flat_q, k, preferred_element_type=jnp.float32)
         k_pos = c * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32)
         mask = live[:, None] & (k_pos < num_pages * page_size)[None, :]
