@@ -126,7 +126,7 @@ def _row_keys(inputs: SamplingInputs) -> jax.Array:
     return jax.vmap(one)(inputs.seeds, inputs.sample_index, inputs.positions)
 
 
-CDF_BLOCK = 128  # inverse-CDF sampling scans block sums, then one block (no full-vocabulary cumsum)
+CDF_BLOCK = 128  # inverse-CDF sampling and argmax scan per-block sums / maxima, then one block
 
 
 def argmax_last(x: Float[Array, "... V"]) -> Int[Array, "..."]:
@@ -138,7 +138,7 @@ def argmax_last(x: Float[Array, "... V"]) -> Int[Array, "..."]:
     """
     *lead, vocab = x.shape
     num_blocks = -(-vocab // CDF_BLOCK)
-    if num_blocks <= 1:
+    if num_blocks <= 1 or not jnp.issubdtype(x.dtype, jnp.floating):  # the -inf padding needs floats
         return jnp.argmax(x, axis=-1).astype(jnp.int32)
     pad = [(0, 0)] * len(lead) + [(0, num_blocks * CDF_BLOCK - vocab)]
     blocks = jnp.pad(x, pad, constant_values=-jnp.inf).reshape(*lead, num_blocks, CDF_BLOCK)

@@ -113,6 +113,7 @@ def test_argmax_last_matches_numpy_first_maximum(vocab: int) -> None:
     np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
     big = rng.normal(size=(64, vocab)).astype(np.float32)
     np.testing.assert_array_equal(np.asarray(sm.argmax_last(jnp.asarray(big))), big.argmax(-1))
+    assert int(sm.argmax_last(jnp.asarray(big[3]))) == int(big[3].argmax())  # one row, no batch axis
 
 
 def test_greedy_mode_is_argmax_over_a_large_vocabulary() -> None:
