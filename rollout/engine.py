@@ -32,7 +32,6 @@ from runner.kv_cache import KVCacheSpec
 from runner.model_runner import MAX_SUPPRESS, ModelRunner
 from runner.spec_decode.eagle3_checkpoint import load_eagle3_head
 from runner.spec_decode.eagle3_config import Eagle3Config
-from runner.spec_decode.eagle3_drafter import DraftRequest
 from runner.models.head_layout import with_head_layout
 from runner.models.llama import LlamaForCausalLM
 from runner.models.loader import load_model
@@ -153,7 +152,10 @@ class Engine:
         if self.speculator is not None:
             batch, drafts = self.speculator.propose(batch)
         result = self.runner.run(build_step(batch, self.eos_token_ids, drafts, rejection=self._rejection,
-                                            multi_step=self.config.num_scheduler_steps > 1))
+                                            multi_step=self.config.num_scheduler_steps > 1,
+                                            device_drafts=self.runner.drafter is not None))
+        if drafts is not None and result.draft_ids is not None:  # made on the device: now known
+            drafts = [result.draft_ids[i, :len(d)] for i, d in enumerate(drafts)]
         if drafts is None:
             finished = self.outputs.process(batch, result)
         else:
@@ -257,13 +259,9 @@ class Engine:
 
     # ---- internals --------------------------------------------------------------------------
     def _eagle_drafts(self, seqs: list[Sequence], limits: list[int]) -> list[np.ndarray]:
-        """EAGLE-3 drafts from the head on the device (all sequences, then cut to their limits)."""
-        request = DraftRequest(
-            last_token_ids=np.array([s.token_ids[-1] for s in seqs], np.int32),
-            positions=np.array([s.num_computed_tokens - 1 for s in seqs], np.int32),
-            block_tables=[s.block_table for s in seqs], replicas=np.array([s.replica for s in seqs], np.int32))
-        drafts = self.runner.draft(request, self.config.speculative.k)
-        return [d[:max(lim, 0)] for d, lim in zip(drafts, limits)]
+        """Placeholders for EAGLE-3 drafts (-1, as many as each sequence may take): the head makes them
+        on the device in the verification step's own program (`StepBatch.draft_slots`)."""
+        return [np.full(max(lim, 0), -1, np.int32) for lim in limits]
 
     def _normalize(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None
                    ) -> tuple[list[Prompt], list[SamplingParams]]:

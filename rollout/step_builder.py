@@ -24,13 +24,15 @@ def suppressed_ids(seq: Sequence, eos_token_ids: tuple[int, ...]) -> list[int]:
 
 
 def build_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...],
-               drafts: list[np.ndarray] | None = None, *, rejection: bool = False, multi_step: bool = False) -> StepBatch:
+               drafts: list[np.ndarray] | None = None, *, rejection: bool = False, multi_step: bool = False,
+               device_drafts: bool = False) -> StepBatch:
     """Pack the scheduled tokens of every sequence, with their sampling settings (pure numpy).
 
     `multi_step`: a decode batch becomes one multi-step call (`batch.num_new_tokens` = steps per sequence).
+    `device_drafts`: `drafts` are placeholders the device fills (EAGLE-3; only their lengths count).
     """
     if drafts is not None:
-        return build_verify_step(batch, eos_token_ids, drafts, rejection=rejection)
+        return build_verify_step(batch, eos_token_ids, drafts, rejection=rejection, device_drafts=device_drafts)
     if multi_step and not batch.is_prefill:
         one = build_step(ScheduledBatch(False, batch.seqs, [1] * len(batch.seqs)), eos_token_ids)
         suppress_steps = [max(0, s.params.min_tokens - s.num_output_tokens) for s in batch.seqs]
@@ -74,11 +76,12 @@ def build_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...],
 
 
 def build_verify_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...], drafts: list[np.ndarray],
-                      *, rejection: bool = False) -> StepBatch:
+                      *, rejection: bool = False, device_drafts: bool = False) -> StepBatch:
     """A decode step that also feeds each sequence's draft tokens and samples after every position.
 
     `rejection`: row r of a sequence verifies its draft r by rejection sampling (the last row has
-    none); otherwise every row replays the plain per-position draw (exact replay).
+    none); otherwise every row replays the plain per-position draw (exact replay). `device_drafts`:
+    draft j of a sequence is made on the device in the same program (`StepBatch.draft_slots`).
     """
     seqs = batch.seqs
     counts = np.array([1 + len(d) for d in drafts], np.int32)
@@ -107,4 +110,5 @@ def build_verify_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...], dra
         suppress_ids=suppress,
         num_top_logprobs=max((s.params.logprobs or 0 for s in seqs), default=0),
         logits_indices=np.arange(len(token_ids), dtype=np.int32), replicas=np.array([s.replica for s in seqs], np.int32),
-        draft_ids=np.concatenate([np.append(d, -1) for d in drafts]).astype(np.int32) if rejection else None)
+        draft_ids=np.concatenate([np.append(d, -1) for d in drafts]).astype(np.int32) if rejection else None,
+        draft_slots=np.concatenate([np.arange(-1, len(d), dtype=np.int32) for d in drafts]) if device_drafts else None)

@@ -25,7 +25,7 @@ from runner.kv_cache import KVCacheSpec, allocate_kv_caches
 from runner.models.llama import LlamaForCausalLM
 from runner.sharding import kv_cache_sharding, make_mesh, shard_params
 from runner.spec_decode.eagle3 import Eagle3Head
-from runner.spec_decode.eagle3_drafter import DraftRequest, Eagle3Drafter
+from runner.spec_decode.eagle3_drafter import Eagle3Drafter
 from runner.step_inputs import (  # noqa: F401  (StepBatch, MAX_SUPPRESS: re-exported for the engine)
     MAX_SUPPRESS, DeviceBatch, StepBatch, pad_replicas)
 from runner.step_program import compiled_chunk, compiled_step
@@ -43,6 +43,7 @@ class StepResult:
     token_top_ids: np.ndarray | None = None  # [T, K]
     token_top_logprobs: np.ndarray | None = None  # [T, K]
     steps: int = 1  # rows per sequence: a multi-step decode call's row i * steps + t is sequence i's step t
+    draft_ids: np.ndarray | None = None  # [S, k] drafts made on the device (`StepBatch.draft_slots`)
 
 
 class ModelRunner:
@@ -84,8 +85,8 @@ class ModelRunner:
         self.buckets = buckets
         self.max_logprobs = max_logprobs
         self.config = model.config
-        self.drafter = None if draft_head is None else Eagle3Drafter(draft_head, graphdef, defs, kv_spec, buckets,
-                                                                     self.mesh)
+        self.drafter = None if draft_head is None else Eagle3Drafter(draft_head, graphdef, defs, kv_spec, self.mesh,
+                                                                     pinned)
 
     @property
     def model(self) -> LlamaForCausalLM:
@@ -107,6 +108,8 @@ class ModelRunner:
         num_top = self.max_logprobs if batch.num_top_logprobs > 0 else 0
         if batch.num_steps is not None:
             return self._run_chunk(batch, leaves, device_batch, layout.row_index, num_top)
+        if batch.draft_slots is not None:
+            return self._run_draft_verify(batch, leaves, device_batch, layout.row_index, layout.seq_index, num_top)
         self.kv_caches, out, extra, aux = self._step_fn(
             *leaves, self.kv_caches, device_batch,
             num_top=num_top, token_logprobs=batch.target_ids is not None,
@@ -137,16 +140,26 @@ class ModelRunner:
         return StepResult(seq_major(out.token_ids), seq_major(out.logprobs), seq_major(out.top_ids[..., :k]),
                           seq_major(out.top_logprobs[..., :k]), steps=steps)
 
+    def _run_draft_verify(self, batch: StepBatch, leaves: tuple[list[Array], list[Array]], device_batch: DeviceBatch,
+                          rows: np.ndarray, seqs: np.ndarray, num_top: int) -> StepResult:
+        """A verification step whose drafts the EAGLE-3 head makes in the same program."""
+        num_drafts = self.buckets.verify_rows - 1
+        if self.drafter is None or num_drafts < 1 or batch.target_ids is not None:
+            raise ValueError("drafts made on the device need a draft head, verify buckets (k >= 1) and no "
+                             "prompt logprobs in the step")
+        if int(np.max(batch.draft_slots, initial=-1)) >= num_drafts:
+            raise ValueError(f"a token asks for draft {int(np.max(batch.draft_slots))}; the head drafts {num_drafts}")
+        self.kv_caches, out, drafts = self.drafter.verify(leaves, self.kv_caches, device_batch, num_top=num_top,
+                                                          num_steps=num_drafts)
+        out, drafts = jax.device_get((out, drafts))
+        k = batch.num_top_logprobs
+        return StepResult(out.token_ids[rows], out.logprobs[rows], out.top_ids[rows, :k], out.top_logprobs[rows, :k],
+                          draft_ids=np.asarray(drafts).reshape(-1, num_drafts)[seqs])
+
     def _leaves(self) -> tuple[list[Array], list[Array]]:
         """Params and rest as the flat leaf lists the compiled programs take; taken per call (not
         cached), so a `sync_weights` that updates `self.params` in place is seen."""
         return jax.tree.leaves(self.params), jax.tree.leaves(self.rest)
-
-    def draft(self, request: DraftRequest, num_steps: int) -> np.ndarray:
-        """`[S, num_steps]` EAGLE-3 drafts for a decode batch (needs a `draft_head`)."""
-        if self.drafter is None:
-            raise RuntimeError("this runner has no draft head")
-        return self.drafter.propose(self._leaves(), request, num_steps)
 
     def warmup(self, *, prompt_logprobs: bool = False, speculative_k: int = 0, rejection: bool = False) -> int:
         """Compile every bucket by running dummy steps whose K/V writes are all dropped; returns the count.
@@ -176,8 +189,6 @@ class ModelRunner:
                         step = dataclasses.replace(step, draft_ids=np.full(step.num_rows, -1, np.int32))
                     self.run(step)
                     count += 1
-            if self.drafter is not None:
-                count += self.drafter.warmup(self._leaves(), speculative_k)
         return count
 
     def _dummy_verify(self, n: int, pages: int, k: int, num_top: int) -> StepBatch:
@@ -191,6 +202,7 @@ class ModelRunner:
         base = self._dummy(True, num_seqs, pages)
         capacity = pages * self.kv_spec.block_size
         rep = lambda x: np.repeat(x, q_lens, axis=0)  # noqa: E731
+        slots = np.concatenate([np.arange(q, dtype=np.int32) - 1 for q in q_lens])  # the head drafts after the first
         return dataclasses.replace(
             base, token_ids=np.zeros(n, np.int32),
             positions=np.concatenate([np.arange(capacity - q, capacity, dtype=np.int32) for q in q_lens]),
@@ -198,7 +210,7 @@ class ModelRunner:
             top_p=rep(base.top_p), min_p=rep(base.min_p), seeds=rep(base.seeds), sample_index=rep(base.sample_index),
             processed=rep(base.processed), suppress_ids=rep(base.suppress_ids), num_top_logprobs=num_top,
             num_steps=None, suppress_steps=None, stop_ids=None,
-            logits_indices=np.arange(n, dtype=np.int32))
+            logits_indices=np.arange(n, dtype=np.int32), draft_slots=slots if self.drafter is not None else None)
 
     def _dummy(self, decode: bool, n: int, pages: int) -> StepBatch:
         """A step of bucket shape (n sequences for decode, n tokens for prefill; `pages` of context)."""

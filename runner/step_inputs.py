@@ -48,6 +48,9 @@ class StepBatch:
     logits_indices: np.ndarray | None = None
     replicas: np.ndarray | None = None  # [S] data-parallel replica of each sequence; None = all on 0
     draft_ids: np.ndarray | None = None  # [N] draft token each sampled row verifies by rejection sampling (-1 none)
+    # [T] drafts made on the device in the same program (EAGLE-3): token t is its sequence's draft
+    # `draft_slots[t]` (-1: `token_ids[t]` as given); the rows' `draft_ids` then follow those drafts too.
+    draft_slots: np.ndarray | None = None
     # Multi-step decode (a decode batch only): the step runs up to max(num_steps) decode steps in one
     # device loop, feeding each sampled token back. None = one plain step.
     num_steps: np.ndarray | None = None  # [S] decode steps of each sequence in this call (>= 1)
@@ -88,6 +91,7 @@ class DeviceBatch:
     target_ids: Int[Array, "R T"]
     prev_slot_mapping: Int[Array, "R T"]  # KV slot of position - 1 of each token (out of range at 0 / padding)
     chunk: DecodeChunk | None = None  # multi-step decode; None = one step
+    draft_slots: Int[Array, "R T"] | None = None  # see `StepBatch.draft_slots` (-1 at padding)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +100,7 @@ class ReplicaLayout:
 
     row_index: np.ndarray  # [num_rows] flat output row of each sampled row
     token_index: np.ndarray  # [T] flat output position of each token
+    seq_index: np.ndarray  # [S] flat attention row of each sequence (its first query piece)
 
 
 def sampler_mode(b: StepBatch) -> int:
@@ -129,6 +134,7 @@ def split_replicas(b: StepBatch, num_replicas: int, blocks_per_replica: int
             suppress_ids=row(b.suppress_ids),
             target_ids=None if b.target_ids is None else b.target_ids[tok_mask],
             draft_ids=None if b.draft_ids is None else row(b.draft_ids),
+            draft_slots=None if b.draft_slots is None else b.draft_slots[tok_mask],
             num_steps=None if b.num_steps is None else row(b.num_steps),
             suppress_steps=None if b.suppress_steps is None else row(b.suppress_steps),
             stop_ids=None if b.stop_ids is None else row(b.stop_ids),
@@ -163,10 +169,14 @@ def pad_replicas(b: StepBatch, buckets: BucketConfig, block_size: int, num_repli
     device_batch = dataclasses.replace(stacked, mode=np.int32(sampler_mode(b)))
     row_index = np.zeros(b.num_rows, np.int64)
     token_index = np.zeros(len(b.token_ids), np.int64)
-    for r, (_, part_rows, part_tokens) in enumerate(parts):
+    seq_index = np.zeros(len(b.q_lens), np.int64)
+    replicas = b.replicas if b.replicas is not None and num_replicas > 1 else np.zeros(len(b.q_lens), np.int64)
+    for r, (part, part_rows, part_tokens) in enumerate(parts):
         row_index[part_rows] = r * rows + np.arange(len(part_rows))
         token_index[part_tokens] = r * padded_tokens + np.arange(len(part_tokens))
-    return device_batch, ReplicaLayout(row_index, token_index)
+        pieces = -(-part.q_lens // piece_len)
+        seq_index[replicas == r] = r * num_pieces + np.cumsum(pieces) - pieces
+    return device_batch, ReplicaLayout(row_index, token_index, seq_index)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,4 +263,5 @@ def _pad_one(b: StepBatch, s: _Shape) -> DeviceBatch:
         target_ids=pad(b.target_ids if b.target_ids is not None else np.zeros(0, np.int32), s.padded_tokens),
         prev_slot_mapping=prev_slot_mapping,
         chunk=None if b.num_steps is None else DecodeChunk(pad(b.num_steps, rows), pad(b.suppress_steps, rows),
-                                                             pad(b.stop_ids, rows, -1)))
+                                                             pad(b.stop_ids, rows, -1)),
+        draft_slots=None if b.draft_slots is None else pad(b.draft_slots, s.padded_tokens, -1))

@@ -161,16 +161,23 @@ def reference_drafts(head: Eagle3Head, target, tokens: list[int], steps: int, fo
 
 
 def record_drafts(engine: Engine) -> list[tuple[list[int], list[int]]]:
-    """Wrap the engine's draft source: every (sequence history, drafts) pair it produces."""
+    """Wrap the engine's verification steps: every (sequence history, its K drafts made on the device) pair."""
     log: list[tuple[list[int], list[int]]] = []
-    inner = engine.speculator.draft_fn
+    histories: list[list[int]] = []
+    inner_drafts, inner_run = engine.speculator.draft_fn, engine.runner.run
 
-    def recording(seqs, limits):
-        out = inner(seqs, [K] * len(seqs))
-        log.extend((list(s.token_ids), d.tolist()) for s, d in zip(seqs, out))
-        return [d[:max(lim, 0)] for d, lim in zip(out, limits)]
+    def drafting(seqs, limits):
+        histories[:] = [list(s.token_ids) for s in seqs]
+        return inner_drafts(seqs, limits)
 
-    engine.speculator.draft_fn = recording
+    def run(batch):
+        result = inner_run(batch)
+        if result.draft_ids is not None:
+            assert result.draft_ids.shape == (len(histories), K)
+            log.extend((h, d.tolist()) for h, d in zip(histories, result.draft_ids))
+        return result
+
+    engine.speculator.draft_fn, engine.runner.run = drafting, run
     return log
 
 

@@ -1,10 +1,12 @@
 """`Eagle3Drafter`: the EAGLE-3 head's device state in the engine and its two compiled programs.
 
-- `fill` runs after every target step (prefill, decode, verification) on the target's auxiliary
-  hidden states, still on the device: it stores g = fc(aux) of every computed token and the head's
-  K/V at p - 1 for every token fed at p. Rejected draft positions get rewritten when the target
-  computes those positions again, exactly like the target's own KV.
-- `propose` drafts k tokens for a decode batch in one program (`lax.scan` over the head steps).
+- `fill` runs after every target step that verifies nothing (prefill, plain decode) on the target's
+  auxiliary hidden states, still on the device: it stores g = fc(aux) of every computed token and
+  the head's K/V at p - 1 for every token fed at p. Rejected draft positions get rewritten when the
+  target computes those positions again, exactly like the target's own KV.
+- `verify` is a whole speculative step in one program: the head drafts k tokens per sequence
+  (`lax.scan` over the head steps), the target verifies them and samples after every position,
+  and the fill follows. Only the sampled tokens and the drafts come back to the host.
 
 Both address the head cache with the target's block tables, so preemption, prefix caching and
 data-parallel replicas need nothing extra. A cached prefix block shared by sequences that continue
@@ -20,27 +22,18 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jax.tree_util import PyTreeDef
 from jaxtyping import Array, Float, Int
 
-from runner.buckets import BucketConfig, pick
 from runner.kv_cache import KVCacheSpec
+from runner.models.llama import KVCaches
+from runner.sampler import SamplerOutput
 from runner.sharding import kv_cache_sharding
 from runner.spec_decode.eagle3 import DraftCache, Eagle3Head, draft_paged, fill_cache
 from runner.step_inputs import DeviceBatch
-
-
-@dataclasses.dataclass(frozen=True)
-class DraftRequest:
-    """One decode batch to draft for (S sequences, host arrays)."""
-
-    last_token_ids: np.ndarray  # [S] token each sequence feeds next, at position c
-    positions: np.ndarray  # [S] c - 1
-    block_tables: list[list[int]]  # [S][blocks] global block ids
-    replicas: np.ndarray | None = None  # [S] data-parallel replica of each sequence
+from runner.step_program import TokenLogprobs, forward_and_sample
 
 
 # Tree structures of (head params, head rest, target params, target rest): the jitted programs take
@@ -86,39 +79,74 @@ def _fill(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: TreeDefs, shardi
     return _pinned(DraftCache(kv, hidden), shardings)
 
 
-def _draft(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: TreeDefs, shardings: CacheShardings | None,
-           head_params: list[Array],
-           head_rest: list[Array], params: list[Array], rest: list[Array], cache: DraftCache,
-           last_token_ids: Int[Array, "R S"], positions: Int[Array, "R S"], page_indices: Int[Array, "R S W"],
-           num_seqs: Int[Array, "R 1"], *, num_steps: int) -> tuple[DraftCache, Int[Array, "R S K"]]:
+def _draft_verify(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: TreeDefs, shardings: CacheShardings | None,
+                  kv_sharding: NamedSharding | None, head_params: list[Array], head_rest: list[Array],
+                  params: list[Array], rest: list[Array], kv_caches: KVCaches, cache: DraftCache, batch: DeviceBatch,
+                  *, num_top: int, token_logprobs: bool, aux_layers: tuple[int, ...], num_steps: int
+                  ) -> tuple[KVCaches, DraftCache, SamplerOutput, TokenLogprobs | None, Int[Array, "R S K"]]:
+    """Draft, verify and fill in one program: the head drafts `num_steps` tokens per sequence from the
+    first token each sequence feeds, the drafts take the tokens `batch.draft_slots` names, the target
+    verifies them (`runner.step_program`) and the head's cache takes what the target computed.
+
+    One program instead of three saves two calls and a round trip to the host per step (a B=1 step's
+    host work is a large part of its time on CPU).
+    """
     head = _merge(head_gd, defs[0], defs[1], head_params, head_rest)
     target = _merge(target_gd, defs[2], defs[3], params, rest)
-    hidden = cache.hidden
+    md = batch.md
+    num_replicas, on_mesh = cache.kv.shape[0], shardings is not None
 
-    def fn(kv: Array, hid: Array, tok: Array, pos: Array, pages: Array, n: Array) -> tuple[Array, Array]:
-        return draft_paged(head, target, kv, hid, tok, pos, pages, n, num_steps=num_steps)
+    def draft(kv: Array, hid: Array, token_ids: Array, positions: Array, cu_q_lens: Array, pages: Array,
+              n: Array) -> tuple[Array, Array]:
+        first = cu_q_lens[:-1]  # each sequence's first token: the one it feeds at c (its drafts follow)
+        last = jnp.take(token_ids, first, mode="clip")
+        return draft_paged(head, target, kv, hid, last, jnp.take(positions, first, mode="clip") - 1, pages, n,
+                           num_steps=num_steps)
 
-    kv, drafts = _per_replica(fn, cache.kv.shape[0], shardings is not None, cache.kv, hidden, last_token_ids, positions,
-                              page_indices, num_seqs)
-    return _pinned(DraftCache(kv, hidden), shardings), drafts
+    head_kv, drafts = _per_replica(draft, num_replicas, on_mesh, cache.kv, cache.hidden, batch.token_ids,
+                                   batch.positions, md.cu_q_lens, md.page_indices, md.num_seqs)
+
+    def insert(token_ids: Array, slots: Array, cu_q_lens: Array, seq_drafts: Array) -> Array:
+        t = jnp.arange(token_ids.shape[0], dtype=jnp.int32)
+        seq = jnp.clip(jnp.searchsorted(cu_q_lens, t, side="right") - 1, 0, seq_drafts.shape[0] - 1)
+        made = seq_drafts[seq, jnp.clip(slots, 0, num_steps - 1)].astype(token_ids.dtype)
+        return jnp.where(slots >= 0, made, token_ids)
+
+    token_ids = jax.vmap(insert)(batch.token_ids, batch.draft_slots, md.cu_q_lens, drafts)
+    sampling = batch.sampling
+    if sampling.draft_ids is not None:  # rejection sampling: row r verifies the draft that follows its token
+        follows = jnp.pad(jnp.where(batch.draft_slots[:, 1:] >= 0, token_ids[:, 1:], -1), ((0, 0), (0, 1)),
+                          constant_values=-1)
+        at_rows = jnp.take_along_axis(follows, batch.logits_indices, axis=1)
+        sampling = dataclasses.replace(sampling, draft_ids=jnp.where(at_rows >= 0, at_rows, sampling.draft_ids))
+    batch = dataclasses.replace(batch, token_ids=token_ids, sampling=sampling)
+    kv_caches, out, extra, aux = forward_and_sample(target, kv_caches, batch, num_top=num_top,
+                                                     token_logprobs=token_logprobs, aux_layers=aux_layers,
+                                                     kv_sharding=kv_sharding)
+    fn = functools.partial(fill_cache, head, target)
+    head_kv, hidden = _per_replica(fn, num_replicas, on_mesh, head_kv, cache.hidden, aux, batch.token_ids,
+                                   batch.positions, md.slot_mapping, batch.prev_slot_mapping)
+    return kv_caches, _pinned(DraftCache(head_kv, hidden), shardings), out, extra, drafts
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: TreeDefs, shardings: CacheShardings | None
-              ) -> tuple[Callable[..., DraftCache], Callable[..., tuple]]:
-    """The jitted fill and draft programs of one (head, target) structure and cache layout, shared by engines."""
+def _compiled(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: TreeDefs, shardings: CacheShardings | None,
+              kv_sharding: NamedSharding | None) -> tuple[Callable[..., DraftCache], Callable[..., tuple]]:
+    """The jitted fill and draft-verify programs of one (head, target) structure and cache layout, shared
+    by engines."""
     fill = jax.jit(functools.partial(_fill, head_gd, target_gd, defs, shardings), donate_argnums=(4,))
-    draft = jax.jit(functools.partial(_draft, head_gd, target_gd, defs, shardings), static_argnames=("num_steps",),
-                    donate_argnums=(4,))
-    return fill, draft
+    verify = jax.jit(functools.partial(_draft_verify, head_gd, target_gd, defs, shardings, kv_sharding),
+                     static_argnames=("num_top", "token_logprobs", "aux_layers", "num_steps"), donate_argnums=(4, 5))
+    return fill, verify
 
 
 class Eagle3Drafter:
     """Owns the head's parameters (replicated), its paged cache, and its compiled programs."""
 
     def __init__(self, head: Eagle3Head, target_graphdef: nnx.GraphDef, target_defs: tuple[PyTreeDef, PyTreeDef],
-                 kv_spec: KVCacheSpec, buckets: BucketConfig, mesh: Mesh) -> None:
-        """`target_defs`: tree structures of the target's params and rest `nnx.State`s."""
+                 kv_spec: KVCacheSpec, mesh: Mesh, target_kv_sharding: NamedSharding | None) -> None:
+        """`target_defs`: tree structures of the target's params and rest `nnx.State`s;
+        `target_kv_sharding`: the layout the target's KV caches are pinned to on a mesh (None: one device)."""
         cfg = head.config
         graphdef, params, rest = nnx.split(head, nnx.Param, ...)
         replicated = NamedSharding(mesh, PartitionSpec())
@@ -126,7 +154,6 @@ class Eagle3Drafter:
         self.params = jax.device_put(jax.tree.map(lambda x: jnp.array(x, copy=True), params), replicated)
         self.rest = jax.device_put(jax.tree.map(lambda x: jnp.array(x, copy=True), rest), replicated)
         self.aux_layers = tuple(cfg.aux_layer_ids)
-        self.kv_spec, self.buckets = kv_spec, buckets
         r, p, page = kv_spec.num_replicas, kv_spec.blocks_per_replica, kv_spec.block_size
         kv_shape = (r, 2, cfg.num_key_value_heads, p, page, cfg.head_dim)
         hidden_shape = (r, p, page, cfg.hidden_size)
@@ -135,10 +162,9 @@ class Eagle3Drafter:
         self.cache = DraftCache(
             kv=jax.jit(lambda: jnp.zeros(kv_shape, cfg.dtype), out_shardings=kv_sharding)(),
             hidden=jax.jit(lambda: jnp.zeros(hidden_shape, cfg.dtype), out_shardings=hidden_sharding)())
-        self._input_sharding = replicated if r == 1 else NamedSharding(mesh, PartitionSpec("data"))
         defs = (jax.tree.structure(self.params), jax.tree.structure(self.rest), *target_defs)
         shardings = (kv_sharding, hidden_sharding) if mesh.size > 1 else None
-        self._fill_fn, self._draft_fn = _compiled(graphdef, target_graphdef, defs, shardings)
+        self._fill_fn, self._verify_fn = _compiled(graphdef, target_graphdef, defs, shardings, target_kv_sharding)
 
     @property
     def head(self) -> Eagle3Head:
@@ -148,44 +174,16 @@ class Eagle3Drafter:
         """Store what the target step just computed (device arrays in, nothing comes back)."""
         self.cache = self._fill_fn(*self._head_leaves(), *target, self.cache, aux, batch)
 
-    def propose(self, target: TargetLeaves, request: DraftRequest, num_steps: int) -> np.ndarray:
-        """`[S, num_steps]` greedy drafts (target ids) in the request's order."""
-        inputs, index = self._pad(request)
-        inputs = jax.device_put(inputs, self._input_sharding)
-        self.cache, drafts = self._draft_fn(*self._head_leaves(), *target, self.cache, *inputs, num_steps=num_steps)
-        return np.asarray(jax.device_get(drafts)).reshape(-1, num_steps)[index]
+    def verify(self, target: TargetLeaves, kv_caches: KVCaches, batch: DeviceBatch, *, num_top: int,
+               num_steps: int) -> tuple[KVCaches, SamplerOutput, Int[Array, "R S K"]]:
+        """Draft `num_steps` tokens per sequence into `batch` (`DeviceBatch.draft_slots`), verify them with
+        the target and fill the head's cache, in one program; returns the target's caches, what was
+        sampled, and the drafts per attention row (device arrays)."""
+        kv_caches, self.cache, out, _, drafts = self._verify_fn(
+            *self._head_leaves(), *target, kv_caches, self.cache, batch, num_top=num_top, token_logprobs=False,
+            aux_layers=self.aux_layers, num_steps=num_steps)
+        return kv_caches, out, drafts
 
     def _head_leaves(self) -> tuple[list[Array], list[Array]]:
         """The head's parameters as flat leaf lists, taken per call (in-place syncs are seen)."""
         return jax.tree.leaves(self.params), jax.tree.leaves(self.rest)
-
-    def _pad(self, request: DraftRequest) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
-        spec = self.kv_spec
-        num_replicas, per_replica = spec.num_replicas, spec.blocks_per_replica
-        replicas = request.replicas if request.replicas is not None else np.zeros(len(request.positions), np.int64)
-        members = [np.flatnonzero(replicas == r) for r in range(num_replicas)]
-        rows = pick(self.buckets.seq_buckets, max(1, max(len(m) for m in members)))
-        width = self.buckets.page_buckets[-1]
-        tokens = np.zeros((num_replicas, rows), np.int32)
-        positions = np.zeros((num_replicas, rows), np.int32)
-        pages = np.full((num_replicas, rows, width), per_replica, np.int32)  # unused rows: out of range
-        num_seqs = np.zeros((num_replicas, 1), np.int32)
-        index = np.zeros(len(replicas), np.int64)
-        for r, m in enumerate(members):
-            num_seqs[r, 0] = len(m)
-            for j, s in enumerate(m):
-                table = request.block_tables[s][:width]
-                pages[r, j, :len(table)] = np.asarray(table, np.int32) - r * per_replica
-                tokens[r, j], positions[r, j] = request.last_token_ids[s], request.positions[s]
-                index[s] = r * rows + j
-        return (tokens, positions, pages, num_seqs), index
-
-    def warmup(self, target: TargetLeaves, num_steps: int) -> int:
-        """Compile the draft program of every decode bucket (all writes dropped); returns the count."""
-        count = 0
-        for n in self.buckets.seq_buckets:
-            drop = self.kv_spec.num_blocks  # past every replica's blocks
-            request = DraftRequest(np.zeros(n, np.int32), np.zeros(n, np.int32), [[drop]] * n)
-            self.propose(target, request, num_steps)
-            count += 1
-        return count
