@@ -412,3 +412,41 @@ def test_soft_label_loss_and_fixed_lm_head(model) -> None:
     counted = np.asarray(t2d)[np.asarray(labels[0, 1:])] >= 0  # ... whose greedy label the draft vocab has
     assert 0 < counted.sum() < len(counted)
     np.testing.assert_allclose(float(loss), ce[counted].mean(), rtol=1e-4)
+
+
+# ---- drafts made on the device take the places the host path gives them -------------------------
+
+@pytest.mark.parametrize("num_replicas", [1, 2])
+def test_place_drafts_matches_host_built_verification(num_replicas: int) -> None:
+    """Tokens and rejection `draft_ids` of a verification step whose drafts the device fills equal those
+    of the same step built on the host with the drafts known (sequences with 0..K drafts, two replicas)."""
+    from rollout.scheduler import ScheduledBatch
+    from rollout.sequence import Sequence
+    from rollout.step_builder import build_verify_step
+    from runner.buckets import BucketConfig
+    from runner.spec_decode.eagle3_drafter import place_drafts
+    from runner.step_inputs import pad_replicas
+
+    rng = np.random.default_rng(0)
+    seqs = []
+    for i, n in enumerate([5, 17, 9, 30]):
+        seq = Sequence(i, i, 0, rng.integers(0, 90, n).tolist(), SamplingParams(temperature=1.0, max_tokens=20), i, i)
+        seq.num_computed_tokens, seq.replica = n - 1, i % num_replicas
+        seq.block_table = [100 * seq.replica + b for b in range(3)]
+        seqs.append(seq)
+    batch = ScheduledBatch(False, seqs, [1] * len(seqs))
+    limits = [K, 0, 1, K - 1]
+    drafts = rng.integers(0, 90, (len(seqs), K)).astype(np.int32)  # what the head made, per sequence
+    known = build_verify_step(batch, (), [d[:n] for d, n in zip(drafts, limits)], rejection=True)
+    placeholders = build_verify_step(batch, (), [np.full(n, -1, np.int32) for n in limits], rejection=True,
+                                     device_drafts=True)
+    buckets = BucketConfig(8, 64, 8, verify_rows=K + 1)
+    want, _ = pad_replicas(known, buckets, 16, num_replicas, 100)
+    padded, layout = pad_replicas(placeholders, buckets, 16, num_replicas, 100)
+    rows = padded.md.page_indices.shape[1]
+    per_row = np.zeros((num_replicas * rows, K), np.int32)
+    per_row[layout.seq_index] = drafts  # the device's drafts sit at each sequence's attention row
+    got = place_drafts(jax.tree.map(jnp.asarray, padded), jnp.asarray(per_row.reshape(num_replicas, rows, K)))
+    np.testing.assert_array_equal(np.asarray(got.token_ids), want.token_ids)
+    np.testing.assert_array_equal(np.asarray(got.sampling.draft_ids), want.sampling.draft_ids)
+    assert (placeholders.token_ids == -1).sum() == sum(limits)  # the host really left them to the device

@@ -79,6 +79,30 @@ def _fill(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: TreeDefs, shardi
     return _pinned(DraftCache(kv, hidden), shardings)
 
 
+def place_drafts(batch: DeviceBatch, drafts: Int[Array, "R S K"]) -> DeviceBatch:
+    """`batch` with each sequence's drafts (per attention row) in the tokens its `draft_slots` name and,
+    under rejection sampling, in the `draft_ids` of the rows that verify them (row r verifies the
+    draft that follows its token)."""
+    num_drafts = drafts.shape[-1]
+
+    def insert(token_ids: Array, slots: Array, cu_q_lens: Array, seq_drafts: Array) -> Array:
+        t = jnp.arange(token_ids.shape[0], dtype=jnp.int32)
+        seq = jnp.clip(jnp.searchsorted(cu_q_lens, t, side="right") - 1, 0, seq_drafts.shape[0] - 1)
+        made = seq_drafts[seq, jnp.clip(slots, 0, num_drafts - 1)].astype(token_ids.dtype)
+        return jnp.where(slots >= 0, made, token_ids)
+
+    token_ids = jax.vmap(insert)(batch.token_ids, batch.draft_slots, batch.md.cu_q_lens, drafts)
+    sampling = batch.sampling
+    if sampling.draft_ids is not None:
+        follows = jnp.pad(jnp.where(batch.draft_slots[:, 1:] >= 0, token_ids[:, 1:], -1), ((0, 0), (0, 1)),
+                          constant_values=-1)
+        at_rows = jnp.take_along_axis(follows, batch.logits_indices, axis=1)
+        real_rows = jnp.arange(at_rows.shape[1])[None, :] < batch.md.cu_q_lens[:, -1:]  # padding rows keep -1
+        sampling = dataclasses.replace(
+            sampling, draft_ids=jnp.where(real_rows & (at_rows >= 0), at_rows, sampling.draft_ids))
+    return dataclasses.replace(batch, token_ids=token_ids, sampling=sampling)
+
+
 def _draft_verify(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: TreeDefs, shardings: CacheShardings | None,
                   kv_sharding: NamedSharding | None, head_params: list[Array], head_rest: list[Array],
                   params: list[Array], rest: list[Array], kv_caches: KVCaches, cache: DraftCache, batch: DeviceBatch,
@@ -105,21 +129,7 @@ def _draft_verify(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: TreeDefs
 
     head_kv, drafts = _per_replica(draft, num_replicas, on_mesh, cache.kv, cache.hidden, batch.token_ids,
                                    batch.positions, md.cu_q_lens, md.page_indices, md.num_seqs)
-
-    def insert(token_ids: Array, slots: Array, cu_q_lens: Array, seq_drafts: Array) -> Array:
-        t = jnp.arange(token_ids.shape[0], dtype=jnp.int32)
-        seq = jnp.clip(jnp.searchsorted(cu_q_lens, t, side="right") - 1, 0, seq_drafts.shape[0] - 1)
-        made = seq_drafts[seq, jnp.clip(slots, 0, num_steps - 1)].astype(token_ids.dtype)
-        return jnp.where(slots >= 0, made, token_ids)
-
-    token_ids = jax.vmap(insert)(batch.token_ids, batch.draft_slots, md.cu_q_lens, drafts)
-    sampling = batch.sampling
-    if sampling.draft_ids is not None:  # rejection sampling: row r verifies the draft that follows its token
-        follows = jnp.pad(jnp.where(batch.draft_slots[:, 1:] >= 0, token_ids[:, 1:], -1), ((0, 0), (0, 1)),
-                          constant_values=-1)
-        at_rows = jnp.take_along_axis(follows, batch.logits_indices, axis=1)
-        sampling = dataclasses.replace(sampling, draft_ids=jnp.where(at_rows >= 0, at_rows, sampling.draft_ids))
-    batch = dataclasses.replace(batch, token_ids=token_ids, sampling=sampling)
+    batch = place_drafts(batch, drafts)
     kv_caches, out, extra, aux = forward_and_sample(target, kv_caches, batch, num_top=num_top,
                                                      token_logprobs=token_logprobs, aux_layers=aux_layers,
                                                      kv_sharding=kv_sharding)
