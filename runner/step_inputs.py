@@ -51,6 +51,7 @@ class StepBatch:
     # [T] drafts made on the device in the same program (EAGLE-3): token t is its sequence's draft
     # `draft_slots[t]` (-1: `token_ids[t]` as given); the rows' `draft_ids` then follow those drafts too.
     draft_slots: np.ndarray | None = None
+    want_logprob: np.ndarray | None = None  # [N] rows whose sampled token's logprob is returned (None: all)
     # Multi-step decode (a decode batch only): the step runs up to max(num_steps) decode steps in one
     # device loop, feeding each sampled token back. None = one plain step.
     num_steps: np.ndarray | None = None  # [S] decode steps of each sequence in this call (>= 1)
@@ -135,6 +136,7 @@ def split_replicas(b: StepBatch, num_replicas: int, blocks_per_replica: int
             target_ids=None if b.target_ids is None else b.target_ids[tok_mask],
             draft_ids=None if b.draft_ids is None else row(b.draft_ids),
             draft_slots=None if b.draft_slots is None else b.draft_slots[tok_mask],
+            want_logprob=None if b.want_logprob is None else row(b.want_logprob),
             num_steps=None if b.num_steps is None else row(b.num_steps),
             suppress_steps=None if b.suppress_steps is None else row(b.suppress_steps),
             stop_ids=None if b.stop_ids is None else row(b.stop_ids),
@@ -252,7 +254,9 @@ def _pad_one(b: StepBatch, s: _Shape) -> DeviceBatch:
         seeds=pad(b.seeds, rows, 0, np.uint32), sample_index=pad(b.sample_index, rows),
         positions=pad(sample_positions, rows), processed=pad(b.processed, rows, False, np.bool_),
         suppress_ids=pad(b.suppress_ids, rows, -1),
-        draft_ids=None if b.draft_ids is None else pad(b.draft_ids, rows, -1))
+        draft_ids=None if b.draft_ids is None else pad(b.draft_ids, rows, -1),
+        want_logprob=pad(np.ones(len(b.temperature), bool) if b.want_logprob is None else b.want_logprob, rows,
+                         False, np.bool_))
     return DeviceBatch(
         token_ids=pad(b.token_ids, s.padded_tokens), positions=pad(b.positions, s.padded_tokens),
         md=AttentionMetadata(slot_mapping=slot_mapping, kv_lens=kv_lens, page_indices=page_indices,

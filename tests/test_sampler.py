@@ -116,6 +116,43 @@ def test_argmax_last_matches_numpy_first_maximum(vocab: int) -> None:
     assert int(sm.argmax_last(jnp.asarray(big[3]))) == int(big[3].argmax())  # one row, no batch axis
 
 
+@pytest.mark.parametrize("vocab", [1000, 129, 100])
+def test_argmax_last_with_suppressed_ids_matches_numpy(vocab: int) -> None:
+    """Suppressed ids (several in one block, at the maximum, out of range, -1, repeated) are -inf;
+    the rest keeps numpy's first-maximum rule."""
+    rng = np.random.default_rng(vocab)
+    x = rng.integers(-3, 3, size=(6, vocab)).astype(np.float32)
+    x[:, 7] = 9.0  # every row's maximum ...
+    x[:, vocab - 1] = 9.0
+    x[3, :] = 1.0  # a row that is all ties
+    suppress = np.full((6, 4), -1, np.int32)
+    suppress[0] = [7, 8, 9, -1]  # ... suppressed in row 0 (its block keeps the tie at vocab - 1)
+    suppress[1] = [7, vocab - 1, vocab + 5, 7]  # both maxima, an out-of-range id, a repeat
+    suppress[3] = [0, 1, 2, 130 % vocab]
+    want = x.copy()
+    for r, ids in enumerate(suppress):
+        want[r, [i for i in ids if 0 <= i < vocab]] = -np.inf
+    got = np.asarray(sm.argmax_last(jnp.asarray(x), jnp.asarray(suppress)))
+    np.testing.assert_array_equal(got, want.argmax(-1))
+    out = sample(jnp.asarray(x), make_inputs(6, temperature=0.0, suppress_ids=suppress, processed=True),
+                 mode="greedy", num_top_logprobs=0)
+    np.testing.assert_array_equal(np.asarray(out.token_ids), want.argmax(-1))
+    lp = np.asarray(jax.nn.log_softmax(jnp.asarray(want), axis=-1))  # processed: the suppressed distribution
+    np.testing.assert_allclose(np.asarray(out.logprobs), lp[np.arange(6), want.argmax(-1)], rtol=1e-5, atol=1e-6)
+
+
+def test_sampled_logprob_is_skipped_when_no_row_wants_it() -> None:
+    """`want_logprob` all False: same tokens, zero logprobs (the log-sum-exp is not run); any True: computed."""
+    logits = jnp.asarray(np.random.default_rng(3).normal(size=(4, 300)).astype(np.float32))
+    base = make_inputs(4, temperature=1.0, seeds=5)
+    full = sample(logits, base, mode="random", num_top_logprobs=0)
+    none = sample(logits, dataclasses.replace(base, want_logprob=jnp.zeros(4, bool)), mode="random", num_top_logprobs=0)
+    some = sample(logits, dataclasses.replace(base, want_logprob=jnp.arange(4) == 2), mode="random", num_top_logprobs=0)
+    np.testing.assert_array_equal(np.asarray(none.token_ids), np.asarray(full.token_ids))
+    assert not np.any(np.asarray(none.logprobs)) and np.all(np.asarray(full.logprobs) < 0)
+    np.testing.assert_array_equal(np.asarray(some.logprobs), np.asarray(full.logprobs))
+
+
 def test_greedy_mode_is_argmax_over_a_large_vocabulary() -> None:
     logits = np.random.default_rng(2).normal(size=(8, 49152)).astype(np.float32)
     out = sample(jnp.asarray(logits), make_inputs(8, temperature=0.0), mode="greedy", num_top_logprobs=0)
