@@ -23,6 +23,7 @@ from runner.attention import ATTENTION_IMPLS
 from runner.buckets import BucketConfig
 from runner.kv_cache import KVCacheSpec, allocate_kv_caches
 from runner.models.llama import LlamaForCausalLM
+from runner.sampler import SamplerOutput
 from runner.sharding import kv_cache_sharding, make_mesh, shard_params
 from runner.spec_decode.eagle3 import Eagle3Head
 from runner.spec_decode.eagle3_drafter import Eagle3Drafter
@@ -44,6 +45,12 @@ class StepResult:
     token_top_logprobs: np.ndarray | None = None  # [T, K]
     steps: int = 1  # rows per sequence: a multi-step decode call's row i * steps + t is sequence i's step t
     draft_ids: np.ndarray | None = None  # [S, k] drafts made on the device (`StepBatch.draft_slots`)
+
+
+def _sampled_rows(out: SamplerOutput, rows: np.ndarray, num_top: int) -> StepResult:
+    """The sampled rows of a step's (host) output in the batch's order, `num_top` alternatives each."""
+    return StepResult(out.token_ids[rows], out.logprobs[rows], out.top_ids[rows, :num_top],
+                      out.top_logprobs[rows, :num_top])
 
 
 class ModelRunner:
@@ -117,8 +124,8 @@ class ModelRunner:
         if self.drafter is not None:  # the head's cache follows every target step, on the device
             self.drafter.fill(leaves, aux, device_batch)
         out, extra = jax.device_get((out, extra))
-        k, rows, tokens = batch.num_top_logprobs, layout.row_index, layout.token_index
-        result = StepResult(out.token_ids[rows], out.logprobs[rows], out.top_ids[rows, :k], out.top_logprobs[rows, :k])
+        k, tokens = batch.num_top_logprobs, layout.token_index
+        result = _sampled_rows(out, layout.row_index, k)
         if extra is not None:
             result = dataclasses.replace(
                 result, token_logprobs=extra.logprobs[tokens], token_top_ids=extra.top_ids[tokens, :k],
@@ -152,9 +159,8 @@ class ModelRunner:
         self.kv_caches, out, drafts = self.drafter.verify(leaves, self.kv_caches, device_batch, num_top=num_top,
                                                           num_steps=num_drafts)
         out, drafts = jax.device_get((out, drafts))
-        k = batch.num_top_logprobs
-        return StepResult(out.token_ids[rows], out.logprobs[rows], out.top_ids[rows, :k], out.top_logprobs[rows, :k],
-                          draft_ids=np.asarray(drafts).reshape(-1, num_drafts)[seqs])
+        return dataclasses.replace(_sampled_rows(out, rows, batch.num_top_logprobs),
+                                   draft_ids=np.asarray(drafts).reshape(-1, num_drafts)[seqs])
 
     def _leaves(self) -> tuple[list[Array], list[Array]]:
         """Params and rest as the flat leaf lists the compiled programs take; taken per call (not

@@ -44,12 +44,12 @@ def _step(graphdef: nnx.GraphDef, params_def: jax.tree_util.PyTreeDef, rest_def:
           ) -> tuple[KVCaches, SamplerOutput, TokenLogprobs | None, Float[Array, "R T A"]]:
     model = _merge(graphdef, params_def, rest_def, param_leaves, rest_leaves)
     return forward_and_sample(model, kv_caches, batch, num_top=num_top, token_logprobs=token_logprobs,
-                               aux_layers=aux_layers, kv_sharding=kv_sharding)
+                              aux_layers=aux_layers, kv_sharding=kv_sharding)
 
 
 def forward_and_sample(model: LlamaForCausalLM, kv_caches: KVCaches, batch: DeviceBatch, *, num_top: int,
-                        token_logprobs: bool, aux_layers: tuple[int, ...] = (), kv_sharding: NamedSharding | None = None
-                        ) -> tuple[KVCaches, SamplerOutput, TokenLogprobs | None, Float[Array, "R T A"]]:
+                       token_logprobs: bool, aux_layers: tuple[int, ...] = (), kv_sharding: NamedSharding | None = None
+                       ) -> tuple[KVCaches, SamplerOutput, TokenLogprobs | None, Float[Array, "R T A"]]:
     """One step's forward over the paged cache (per replica) and sampling of its rows.
 
     `kv_sharding`: the caches' layout on a mesh, pinned on the updated caches; left to XLA's
@@ -114,7 +114,7 @@ def _decode_chunk(graphdef: nnx.GraphDef, params_def: jax.tree_util.PyTreeDef, r
             md=dataclasses.replace(md, slot_mapping=slots, kv_lens=jnp.where(chunk.num_steps > 0, positions + 1, 0)),
             sampling=dataclasses.replace(sampling, positions=positions + 1, suppress_ids=suppress), chunk=None)
         kv, out, _, _ = forward_and_sample(model, kv, step, num_top=num_top, token_logprobs=False,
-                                            kv_sharding=kv_sharding)
+                                           kv_sharding=kv_sharding)
         outs = jax.tree.map(lambda buf, x: buf.at[t].set(x), outs, out)
         sampled = out.token_ids.reshape(token_ids.shape).astype(token_ids.dtype)
         stopped = jnp.any(sampled[..., None] == chunk.stop_ids, axis=-1)

@@ -33,7 +33,7 @@ from runner.sampler import SamplerOutput
 from runner.sharding import kv_cache_sharding
 from runner.spec_decode.eagle3 import DraftCache, Eagle3Head, draft_paged, fill_cache
 from runner.step_inputs import DeviceBatch
-from runner.step_program import TokenLogprobs, forward_and_sample
+from runner.step_program import forward_and_sample
 
 
 # Tree structures of (head params, head rest, target params, target rest): the jitted programs take
@@ -106,8 +106,8 @@ def place_drafts(batch: DeviceBatch, drafts: Int[Array, "R S K"]) -> DeviceBatch
 def _draft_verify(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: TreeDefs, shardings: CacheShardings | None,
                   kv_sharding: NamedSharding | None, head_params: list[Array], head_rest: list[Array],
                   params: list[Array], rest: list[Array], kv_caches: KVCaches, cache: DraftCache, batch: DeviceBatch,
-                  *, num_top: int, token_logprobs: bool, aux_layers: tuple[int, ...], num_steps: int
-                  ) -> tuple[KVCaches, DraftCache, SamplerOutput, TokenLogprobs | None, Int[Array, "R S K"]]:
+                  *, num_top: int, aux_layers: tuple[int, ...], num_steps: int
+                  ) -> tuple[KVCaches, DraftCache, SamplerOutput, Int[Array, "R S K"]]:
     """Draft, verify and fill in one program: the head drafts `num_steps` tokens per sequence from the
     first token each sequence feeds, the drafts take the tokens `batch.draft_slots` names, the target
     verifies them (`runner.step_program`) and the head's cache takes what the target computed.
@@ -130,13 +130,12 @@ def _draft_verify(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: TreeDefs
     head_kv, drafts = _per_replica(draft, num_replicas, on_mesh, cache.kv, cache.hidden, batch.token_ids,
                                    batch.positions, md.cu_q_lens, md.page_indices, md.num_seqs)
     batch = place_drafts(batch, drafts)
-    kv_caches, out, extra, aux = forward_and_sample(target, kv_caches, batch, num_top=num_top,
-                                                     token_logprobs=token_logprobs, aux_layers=aux_layers,
-                                                     kv_sharding=kv_sharding)
+    kv_caches, out, _, aux = forward_and_sample(target, kv_caches, batch, num_top=num_top, token_logprobs=False,
+                                                 aux_layers=aux_layers, kv_sharding=kv_sharding)
     fn = functools.partial(fill_cache, head, target)
     head_kv, hidden = _per_replica(fn, num_replicas, on_mesh, head_kv, cache.hidden, aux, batch.token_ids,
                                    batch.positions, md.slot_mapping, batch.prev_slot_mapping)
-    return kv_caches, _pinned(DraftCache(head_kv, hidden), shardings), out, extra, drafts
+    return kv_caches, _pinned(DraftCache(head_kv, hidden), shardings), out, drafts
 
 
 @functools.lru_cache(maxsize=None)
@@ -146,7 +145,7 @@ def _compiled(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: TreeDefs, sh
     by engines."""
     fill = jax.jit(functools.partial(_fill, head_gd, target_gd, defs, shardings), donate_argnums=(4,))
     verify = jax.jit(functools.partial(_draft_verify, head_gd, target_gd, defs, shardings, kv_sharding),
-                     static_argnames=("num_top", "token_logprobs", "aux_layers", "num_steps"), donate_argnums=(4, 5))
+                     static_argnames=("num_top", "aux_layers", "num_steps"), donate_argnums=(4, 5))
     return fill, verify
 
 
@@ -189,9 +188,9 @@ class Eagle3Drafter:
         """Draft `num_steps` tokens per sequence into `batch` (`DeviceBatch.draft_slots`), verify them with
         the target and fill the head's cache, in one program; returns the target's caches, what was
         sampled, and the drafts per attention row (device arrays)."""
-        kv_caches, self.cache, out, _, drafts = self._verify_fn(
-            *self._head_leaves(), *target, kv_caches, self.cache, batch, num_top=num_top, token_logprobs=False,
-            aux_layers=self.aux_layers, num_steps=num_steps)
+        kv_caches, self.cache, out, drafts = self._verify_fn(
+            *self._head_leaves(), *target, kv_caches, self.cache, batch, num_top=num_top, aux_layers=self.aux_layers,
+            num_steps=num_steps)
         return kv_caches, out, drafts
 
     def _head_leaves(self) -> tuple[list[Array], list[Array]]:
