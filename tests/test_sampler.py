@@ -141,16 +141,68 @@ def test_argmax_last_with_suppressed_ids_matches_numpy(vocab: int) -> None:
     np.testing.assert_allclose(np.asarray(out.logprobs), lp[np.arange(6), want.argmax(-1)], rtol=1e-5, atol=1e-6)
 
 
-def test_sampled_logprob_is_skipped_when_no_row_wants_it() -> None:
-    """`want_logprob` all False: same tokens, zero logprobs (the log-sum-exp is not run); any True: computed."""
+@pytest.mark.parametrize("mode", ["random", "filtered"])
+def test_sampled_logprob_is_skipped_when_no_row_wants_it(mode: str) -> None:
+    """`want_logprob` changes no token and no wanted logprob. All False: "filtered" skips the
+    log-sum-exp (zeros); "random" gets processed logprobs for free and skips the raw one."""
     logits = jnp.asarray(np.random.default_rng(3).normal(size=(4, 300)).astype(np.float32))
-    base = make_inputs(4, temperature=1.0, seeds=5)
-    full = sample(logits, base, mode="random", num_top_logprobs=0)
-    none = sample(logits, dataclasses.replace(base, want_logprob=jnp.zeros(4, bool)), mode="random", num_top_logprobs=0)
-    some = sample(logits, dataclasses.replace(base, want_logprob=jnp.arange(4) == 2), mode="random", num_top_logprobs=0)
+    base = make_inputs(4, temperature=1.0, seeds=5, processed=np.arange(4) % 2 == 0)
+    full = sample(logits, base, mode=mode, num_top_logprobs=0)
+    none = sample(logits, dataclasses.replace(base, want_logprob=jnp.zeros(4, bool)), mode=mode, num_top_logprobs=0)
+    some = sample(logits, dataclasses.replace(base, want_logprob=jnp.arange(4) == 1), mode=mode, num_top_logprobs=0)
     np.testing.assert_array_equal(np.asarray(none.token_ids), np.asarray(full.token_ids))
-    assert not np.any(np.asarray(none.logprobs)) and np.all(np.asarray(full.logprobs) < 0)
-    np.testing.assert_array_equal(np.asarray(some.logprobs), np.asarray(full.logprobs))
+    np.testing.assert_array_equal(np.asarray(some.token_ids), np.asarray(full.token_ids))
+    assert np.all(np.asarray(full.logprobs) < 0)
+    skipped = np.asarray(none.logprobs) if mode == "filtered" else np.asarray(none.logprobs)[1::2]  # raw rows
+    assert not np.any(skipped)
+    assert np.asarray(some.logprobs)[1] == np.asarray(full.logprobs)[1]
+
+
+@pytest.mark.parametrize("vocab", [1000, 1024])
+def test_random_mode_on_blocks_matches_the_materialised_distribution(vocab: int) -> None:
+    """"random" mode reads the logits only through per-block reductions; with suppressed ids (the row
+    maximum, several in one block, out of range, repeated), greedy rows and both logprob kinds mixed,
+    its tokens equal those of the materialised path ("filtered" without filters), greedy rows are the
+    suppressed argmax, and the logprobs equal numpy's log-softmax of the raw or processed logits."""
+    rows = 48
+    rng = np.random.default_rng(vocab)
+    logits = (rng.normal(size=(rows, vocab)) * 3).astype(np.float32)
+    logits[:, 130] = 40.0  # would dominate every row if it were not suppressed (below)
+    suppress = np.full((rows, 4), -1, np.int32)
+    suppress[:, 0] = 130
+    suppress[::3, 1:] = [131, 255, vocab + 3]
+    suppress[1::3, 1:] = [vocab - 1, 130, 0]
+    temperature = np.tile(np.array([0.0, 0.7, 1.0, 1.3], np.float32), rows // 4)
+    processed = np.arange(rows) % 3 != 0
+    inputs = make_inputs(rows, temperature=temperature, seeds=np.arange(rows), suppress_ids=suppress,
+                         processed=processed)
+    out = sample(jnp.asarray(logits), inputs, mode="random")
+    materialised = sample(jnp.asarray(logits), inputs, mode="filtered")
+    tokens = np.asarray(out.token_ids)
+    np.testing.assert_array_equal(tokens, np.asarray(materialised.token_ids))
+
+    suppressed = logits.astype(np.float64).copy()
+    for r, ids in enumerate(suppress):
+        suppressed[r, [i for i in ids if 0 <= i < vocab]] = -np.inf
+    assert np.all(np.isfinite(suppressed[np.arange(rows), tokens]))
+    greedy = temperature == 0
+    np.testing.assert_array_equal(tokens[greedy], suppressed[greedy].argmax(-1))
+    with np.errstate(invalid="ignore"):
+        proc = np_log_softmax(suppressed / np.where(greedy, 1.0, temperature)[:, None])
+    want = np.where(processed, proc[np.arange(rows), tokens], np_log_softmax(logits)[np.arange(rows), tokens])
+    np.testing.assert_allclose(np.asarray(out.logprobs), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(materialised.logprobs), rtol=1e-5, atol=1e-5)
+
+
+def test_random_mode_on_blocks_matches_exact_distribution() -> None:
+    """Chi-square of "random" mode over a three-block vocabulary with its two likeliest ids suppressed."""
+    vocab, draws = 300, 20_000
+    row = (np.random.default_rng(7).normal(size=vocab) * 2).astype(np.float32)
+    banned = tuple(int(i) for i in np.argsort(-row)[:2])
+    suppress = np.tile(np.array(banned + (-1,), np.int32), (draws, 1))
+    inputs = make_inputs(draws, temperature=0.8, seeds=77, suppress_ids=suppress)
+    tokens = np.asarray(sample(jnp.broadcast_to(jnp.asarray(row), (draws, vocab)), inputs, mode="random").token_ids)
+    check_goodness_of_fit(tokens, ref_processed(row, temperature=0.8, suppress=banned))
 
 
 def test_greedy_mode_is_argmax_over_a_large_vocabulary() -> None:
