@@ -270,7 +270,9 @@ def _sample_random(
     block_sum = suppressed.correct(jnp.sum(jnp.exp(blocks - shift), axis=2), jnp.sum(jnp.exp(own - shift), axis=2))
     drawn = _draw_from_blocks(blocks, row_max, block_sum, _uniforms(inputs), suppressed)
     token_ids = jnp.where(greedy, _argmax_blocks(blocks, block_max, suppressed), drawn)
-    picked = jnp.take_along_axis(raw, token_ids[:, None], axis=1)[:, 0] / divisor
+    # From `blocks` itself: XLA:CPU turns the division into a multiply by 1 / divisor, and a separately
+    # divided logit can sit an ulp of x / T above `row_max` (a positive logprob at low temperature).
+    picked = jnp.take_along_axis(blocks.reshape(blocks.shape[0], -1), token_ids[:, None], axis=1)[:, 0]
     return token_ids, picked - row_max - jnp.log(jnp.sum(block_sum, axis=1))
 
 

@@ -194,6 +194,35 @@ def test_random_mode_on_blocks_matches_the_materialised_distribution(vocab: int)
     np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(materialised.logprobs), rtol=1e-5, atol=1e-5)
 
 
+def test_random_mode_logprobs_at_low_temperature_are_consistent() -> None:
+    """At T = 1e-3 on logits near 20 (x / T ~ 2e4, where float32's ulp is ~2e-3) the processed logprob
+    is taken from the same scaled values as the row maximum and the sums: never above 0, the argmax
+    token exactly 0 when it holds all the mass, and close to float64 within the float32 rounding of x / T."""
+    rows, vocab, temperature = 64, 1000, 1e-3
+    rng = np.random.default_rng(5)
+    logits = (20 + 3 * rng.normal(size=(rows, vocab))).astype(np.float32)
+    logits[::2, 17] = logits[::2].max(axis=1)  # ties at the maximum, across blocks
+    inputs = make_inputs(rows, temperature=temperature, seeds=np.arange(rows), processed=True)
+    out = sample(jnp.asarray(logits), inputs, mode="random")
+    tokens, lp = np.asarray(out.token_ids), np.asarray(out.logprobs)
+    assert np.all(lp <= 0)
+    ref = np_log_softmax(logits.astype(np.float64) / temperature)[np.arange(rows), tokens]
+    np.testing.assert_allclose(lp, ref, atol=4 * np.abs(logits / temperature).max() * 2.0**-24)
+    filtered = np.asarray(sample(jnp.asarray(logits), inputs, mode="filtered").logprobs)
+    np.testing.assert_allclose(lp, filtered, atol=4 * np.abs(logits / temperature).max() * 2.0**-24)
+
+
+def test_random_mode_without_suppress_columns_equals_unused_ones() -> None:
+    """No suppress-id columns at all (M = 0) gives what columns of -1 give, greedy rows included."""
+    rows = 6
+    logits = jnp.asarray(np.random.default_rng(9).normal(size=(rows, 300)).astype(np.float32))
+    kw = dict(temperature=np.array([0.0, 1.0] * 3), seeds=np.arange(rows))
+    none = sample(logits, make_inputs(rows, suppress_ids=np.zeros((rows, 0), np.int32), **kw), mode="random")
+    unused = sample(logits, make_inputs(rows, **kw), mode="random")
+    np.testing.assert_array_equal(np.asarray(none.token_ids), np.asarray(unused.token_ids))
+    np.testing.assert_array_equal(np.asarray(none.logprobs), np.asarray(unused.logprobs))
+
+
 def test_random_mode_on_blocks_matches_exact_distribution() -> None:
     """Chi-square of "random" mode over a three-block vocabulary with its two likeliest ids suppressed."""
     vocab, draws = 300, 20_000
