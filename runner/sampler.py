@@ -437,7 +437,7 @@ def sample(
     greedy = temperature < GREEDY_EPS
     divisor = jnp.where(greedy, 1.0, temperature)
     want_processed = inputs.processed.astype(jnp.bool_)
-    no_logprobs = (jnp.zeros(num_rows, jnp.float32), jnp.zeros((num_rows, 0), jnp.int32), jnp.zeros((num_rows, 0)))
+    no_top_ids, no_top_logprobs = jnp.zeros((num_rows, 0), jnp.int32), jnp.zeros((num_rows, 0), jnp.float32)
     if mode == "random" and inputs.draft_ids is None and num_top_logprobs == 0:
         token_ids, processed_logprobs = _sample_random(raw, inputs, divisor, greedy)
         wants_raw = ~want_processed if inputs.want_logprob is None else inputs.want_logprob & ~want_processed
@@ -445,8 +445,8 @@ def sample(
             jnp.any(wants_raw), lambda: _token_logprob(raw, token_ids), lambda: jnp.zeros(num_rows, jnp.float32)
         )
         token_logprobs = jnp.where(want_processed, processed_logprobs, raw_logprobs)
-        return SamplerOutput(token_ids=token_ids, logprobs=token_logprobs, top_ids=no_logprobs[1],
-                             top_logprobs=no_logprobs[2])
+        return SamplerOutput(token_ids=token_ids, logprobs=token_logprobs, top_ids=no_top_ids,
+                             top_logprobs=no_top_logprobs)
     if mode == "greedy":  # suppression without a copy of the logits unless a logprob needs them
         token_ids = argmax_last(raw, inputs.suppress_ids)
         processed_fn = functools.partial(_suppress, raw, inputs.suppress_ids)
@@ -475,8 +475,8 @@ def sample(
         if inputs.want_logprob is None:
             token_logprobs = logprob()
         else:
-            token_logprobs = lax.cond(jnp.any(inputs.want_logprob), logprob, lambda: no_logprobs[0])
-        _, top_ids, top_logprobs = no_logprobs
+            token_logprobs = lax.cond(jnp.any(inputs.want_logprob), logprob, lambda: jnp.zeros(num_rows, jnp.float32))
+        top_ids, top_logprobs = no_top_ids, no_top_logprobs
     return SamplerOutput(
         token_ids=token_ids, logprobs=token_logprobs, top_ids=top_ids, top_logprobs=top_logprobs
     )
