@@ -157,7 +157,9 @@ def pad_replicas(b: StepBatch, buckets: BucketConfig, block_size: int, num_repli
         piece_len, num_pieces = 1, rows
     elif b.logits_indices is not None:  # speculative verification: a row per token
         padded_tokens = rows = pick(buckets.verify_buckets, most_tokens)
-        piece_len = VERIFY_Q_LEN  # k <= 7 drafts + the last token
+        # a sequence's k + 1 tokens in one attention row of exactly that many queries (not padded to
+        # VERIFY_Q_LEN: fewer query rows; no wall-time change measured, docs/engineering-notes.md)
+        piece_len = buckets.verify_rows or VERIFY_Q_LEN
         num_pieces = buckets.prefill_rows(padded_tokens)  # one attention row per sequence (>= 1 token each)
     else:
         padded_tokens = pick(buckets.token_buckets, most_tokens)
