@@ -94,6 +94,14 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def first_difference(a: list[list[int]], b: list[list[int]]) -> tuple[int, int] | None:
+    """(sequence, token index) where two runs' outputs first differ; None when identical."""
+    for s, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return s, next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+    return None
+
+
 def main() -> None:
     args = parse_args()
     from rollout import Eagle3Config, Engine, NgramConfig, SamplingParams
@@ -154,10 +162,12 @@ def main() -> None:
                                           for (d, n), v in sorted(engine.speculator._seconds.items())}
         result["ratio"] = result["spec_tok_s"] / result["plain_tok_s"]
         result["identical"] = outs["plain"] == outs["spec"]
+        result["first_difference"] = first_difference(outs["plain"], outs["spec"])
         runs.append(result)
         rows.append([batch, mode, result["new_tokens"], f"{result['plain_tok_s']:.1f}", f"{result['spec_tok_s']:.1f}",
                      f"{result['ratio']:.2f}x", f"{result['mean_accepted_per_step']:.2f}",
-                     f"{result['acceptance_rate']:.2f}", f"{result['disabled_share']:.2f}", result["identical"]])
+                     f"{result['acceptance_rate']:.2f}", f"{result['disabled_share']:.2f}",
+                     "True" if result["identical"] else "False (seq {}, token {})".format(*result["first_difference"])])
         if batch == args.batch_sizes[0]:
             print("sample output:", repr(tok.decode(outs["spec"][0])[:200]))
 
