@@ -1,5 +1,5 @@
-"""The RL examples' plumbing on a tiny random model: two GRPO steps through engine.rollout ->
-reward -> loss/update -> sync_weights, plus the task's reward and the advantage estimators."""
+"""The examples' plumbing on a tiny random model: two GRPO steps through engine.rollout ->
+reward -> loss/update -> sync_weights, the task's reward, the advantage estimators and a benchmark helper."""
 
 from __future__ import annotations
 
@@ -102,3 +102,11 @@ def test_cli_parses(script: str) -> None:
     module = {"grpo": grpo, "rloo": rloo}[script]
     cfg = module.parse_args(["--tiny", "--steps", "1", "--train-layers", "1"])
     assert cfg.tiny and cfg.steps == 1 and cfg.train_layers == 1
+
+
+def test_bench_spec_first_difference() -> None:
+    import bench_spec
+
+    assert bench_spec.first_difference([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 6]]) == (1, 1)
+    assert bench_spec.first_difference([[1, 2]], [[1, 2]]) is None
+    assert bench_spec.first_difference([[1, 2]], [[1]]) == (0, 1)  # one run stopped earlier
