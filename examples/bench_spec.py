@@ -99,7 +99,7 @@ def first_difference(a: list[list[int]], b: list[list[int]]) -> tuple[int, int] 
     for s, (x, y) in enumerate(zip(a, b)):
         if x != y:
             return s, next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
-    return None
+    return None if len(a) == len(b) else (min(len(a), len(b)), 0)
 
 
 def main() -> None:
@@ -161,8 +161,8 @@ def main() -> None:
                 result["step_seconds"] = {f"{'spec' if d else 'plain'}@{n}": v
                                           for (d, n), v in sorted(engine.speculator._seconds.items())}
         result["ratio"] = result["spec_tok_s"] / result["plain_tok_s"]
-        result["identical"] = outs["plain"] == outs["spec"]
         result["first_difference"] = first_difference(outs["plain"], outs["spec"])
+        result["identical"] = result["first_difference"] is None
         runs.append(result)
         rows.append([batch, mode, result["new_tokens"], f"{result['plain_tok_s']:.1f}", f"{result['spec_tok_s']:.1f}",
                      f"{result['ratio']:.2f}x", f"{result['mean_accepted_per_step']:.2f}",

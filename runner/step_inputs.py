@@ -21,7 +21,8 @@ from runner.sampler import SamplingInputs
 
 SAMPLER_MODES = ("greedy", "random", "filtered")
 MAX_SUPPRESS = 8  # ids a request may forbid per step (EOS + stop ids before min_tokens)
-VERIFY_Q_LEN = 8  # attention rows of a speculative verification step hold up to this many tokens
+# Most tokens a verification step's attention row holds (k <= 7); rows are k + 1 long where the buckets know k.
+VERIFY_Q_LEN = 8
 
 
 @dataclasses.dataclass(frozen=True)
