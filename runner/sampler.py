@@ -5,8 +5,8 @@ top-p, min-p, suppressed ids, per-row randomness, and the logprobs returned to t
 sampled token's and the top-K alternatives). `choose_mode` is the host-side (numpy) choice of the
 static `mode` that `sample` is compiled for.
 
-Order of operations (as vLLM): suppression, temperature scaling, top-k, top-p, min-p, then an
-inverse-CDF draw from the processed distribution.
+Order of operations (as vLLM): suppression, temperature scaling, top-k, top-p, min-p, then a
+Gumbel-max draw from the processed distribution.
 
 - Suppression: `suppress_ids` (-1 = none) get -inf before anything else; they are never sampled
   and have processed logprob -inf.
@@ -19,17 +19,25 @@ inverse-CDF draw from the processed distribution.
 - min-p: keep tokens with p >= min_p * p_max (the ratio does not depend on renormalization, so
   this is the same before or after top-k/top-p). `min_p` <= 0 is off.
 
-Randomness: row i uses key `fold_in(fold_in(key(seed), sample_index), position)` and one uniform
-variable, inverted through the processed distribution's CDF in vocabulary order (one uniform per row
-instead of one Gumbel variable per vocabulary id: generating 64 x 49152 Gumbels cost ~100 ms per step
-on CPU), so a row's token depends only on its own logits,
-settings, seed, sample index and position: never on the other rows, the batch order, or whether
-the batch ran in "random" or "filtered" mode (a row without filters gets the same token in both).
+Randomness: row i has key `fold_in(fold_in(key(seed), sample_index), position)`; two 32-bit words
+drawn from it seed a counter-based hash that gives every vocabulary id its own uniform, and the
+token is `argmax(processed + Gumbel noise)`. A row's token depends only on its own logits, settings,
+seed, sample index and position: never on the other rows, the batch order, or whether the batch ran
+in "random" or "filtered" mode (a row without filters gets the same token in both).
+
+Why Gumbel-max and not one uniform through the CDF: the same request must sample the same tokens
+whatever shape of step computed its logits (alone or batched, plain or speculative verification),
+and those logits differ in the last bits (XLA:CPU's one-row GEMV and its GEMMs round differently).
+An inverse-CDF draw changes token whenever the uniform falls between a boundary's two roundings,
+and every one of the ~49k boundaries counts: on SmolLM2 about one token in 500 departed (tail
+tokens). Gumbel-max changes token only when the two best noisy logits tie within the rounding
+(~1e-6 per token). The hash (two murmur3 finalizer rounds) instead of `jax.random` per id: threefry
+Gumbels for 64 x 49152 logits cost ~75 ms per step on CPU, the hash ~8 ms in all.
 
 Rejection sampling (`draft_ids` given, speculative decoding's optional mode): a row with a draft
 token d (a deterministic n-gram draft, so the draft distribution q is one-hot at d) keeps d with
-probability min(1, p(d) / q(d)) = p(d), drawn from a second uniform (key folded with 1), and
-otherwise draws from norm(max(0, p - q)) = p without d, with the row's usual uniform. The token is
+probability min(1, p(d) / q(d)) = p(d), drawn from a uniform (key folded with 1), and
+otherwise draws from norm(max(0, p - q)) = p without d, with the row's usual noise. The token is
 then distributed exactly as p; greedy rows keep their argmax (accepting d only if it is the argmax).
 
 Logprobs (per row, chosen by `SamplingInputs.processed`):
@@ -49,7 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool, Float, Int, UInt32
 
 Mode = Literal["greedy", "random", "filtered"]
 MODES: tuple[str, ...] = ("greedy", "random", "filtered")
@@ -130,15 +138,15 @@ def _row_keys(inputs: SamplingInputs) -> jax.Array:
     return jax.vmap(one)(inputs.seeds, inputs.sample_index, inputs.positions)
 
 
-CDF_BLOCK = 128  # inverse-CDF sampling and argmax scan per-block sums / maxima, then one block
+BLOCK = 128  # sampling and argmax scan per-block sums / maxima, then one block
 
 
 def _block_view(x: Float[Array, "S V"]) -> Float[Array, "S NB 128"]:
-    """Rows as `CDF_BLOCK`-wide blocks, the last one padded with -inf (a view when V divides evenly)."""
+    """Rows as `BLOCK`-wide blocks, the last one padded with -inf (a view when V divides evenly)."""
     num_rows, vocab = x.shape
-    num_blocks = -(-vocab // CDF_BLOCK)
-    return jnp.pad(x, ((0, 0), (0, num_blocks * CDF_BLOCK - vocab)), constant_values=-jnp.inf).reshape(
-        num_rows, num_blocks, CDF_BLOCK
+    num_blocks = -(-vocab // BLOCK)
+    return jnp.pad(x, ((0, 0), (0, num_blocks * BLOCK - vocab)), constant_values=-jnp.inf).reshape(
+        num_rows, num_blocks, BLOCK
     )
 
 
@@ -153,13 +161,13 @@ class _Suppressed:
 
     @classmethod
     def of(cls, suppress_ids: Int[Array, "S M"], vocab: int) -> _Suppressed:
-        num_blocks = -(-vocab // CDF_BLOCK)
+        num_blocks = -(-vocab // BLOCK)
         ids = jnp.where((suppress_ids >= 0) & (suppress_ids < vocab), suppress_ids, -1).astype(jnp.int32)
-        return cls(ids=ids, hit_blocks=jnp.where(ids >= 0, ids // CDF_BLOCK, num_blocks), num_blocks=num_blocks)
+        return cls(ids=ids, hit_blocks=jnp.where(ids >= 0, ids // BLOCK, num_blocks), num_blocks=num_blocks)
 
     def mask(self, values: Float[Array, "S B 128"], block_ids: Int[Array, "S B"]) -> Float[Array, "S B 128"]:
         """`values` of the blocks `block_ids` with this row's suppressed ids set to -inf."""
-        token_ids = (block_ids * CDF_BLOCK)[..., None] + jnp.arange(CDF_BLOCK, dtype=jnp.int32)
+        token_ids = (block_ids * BLOCK)[..., None] + jnp.arange(BLOCK, dtype=jnp.int32)
         hit = jnp.any(token_ids[..., None] == self.ids[:, None, None, :], axis=-1)
         return jnp.where(hit, -jnp.inf, values)
 
@@ -182,7 +190,7 @@ def _argmax_blocks(
     inner = jnp.take_along_axis(blocks, block[:, None, None], axis=1)
     if suppressed is not None:
         inner = suppressed.mask(inner, block[:, None])
-    return block * CDF_BLOCK + jnp.argmax(inner[:, 0], axis=-1).astype(jnp.int32)
+    return block * BLOCK + jnp.argmax(inner[:, 0], axis=-1).astype(jnp.int32)
 
 
 def argmax_last(x: Float[Array, "... V"], suppress_ids: Int[Array, "... M"] | None = None) -> Int[Array, "..."]:
@@ -196,7 +204,7 @@ def argmax_last(x: Float[Array, "... V"], suppress_ids: Int[Array, "... M"] | No
     (a scatter of -inf into the logits would copy all of them first: ~1 ms at 64 x 49152).
     """
     *lead, vocab = x.shape
-    if vocab <= CDF_BLOCK or not jnp.issubdtype(x.dtype, jnp.floating):  # the -inf padding needs floats
+    if vocab <= BLOCK or not jnp.issubdtype(x.dtype, jnp.floating):  # the -inf padding needs floats
         if suppress_ids is not None:
             x = _suppress(x.reshape(-1, vocab), suppress_ids.reshape(-1, suppress_ids.shape[-1])).reshape(x.shape)
         return jnp.argmax(x, axis=-1).astype(jnp.int32)
@@ -209,45 +217,58 @@ def argmax_last(x: Float[Array, "... V"], suppress_ids: Int[Array, "... M"] | No
     return _argmax_blocks(blocks, block_max, suppressed).reshape(lead)
 
 
-def _uniforms(inputs: SamplingInputs) -> Float[Array, "S"]:
-    """Each row's uniform variable for the inverse-CDF draw."""
-    return jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(_row_keys(inputs))
+def _row_bits(inputs: SamplingInputs) -> UInt32[Array, "S 2"]:
+    """Each row's two 32-bit words seeding its per-id noise."""
+    return jax.vmap(lambda k: jax.random.bits(k, (2,), jnp.uint32))(_row_keys(inputs))
 
 
-def _draw_from_blocks(
-    blocks: Float[Array, "S NB 128"],
-    row_max: Float[Array, "S"],
-    block_sum: Float[Array, "S NB"],
-    u: Float[Array, "S"],
-    suppressed: _Suppressed | None,
+def _mix32(x: UInt32[Array, "..."]) -> UInt32[Array, "..."]:
+    """murmur3's 32-bit finalizer (a bijection that spreads every input bit over the output)."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = x * jnp.uint32(0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def _gumbel(bits: UInt32[Array, "S 2"], token_ids: Int[Array, "S ..."]) -> Float[Array, "S ..."]:
+    """Standard Gumbel noise of each (row, token id): a pure function of the row's bits and the id."""
+    row = (bits.shape[0],) + (1,) * (token_ids.ndim - 1)
+    h = _mix32((token_ids.astype(jnp.uint32) * jnp.uint32(0x9E3779B9)) ^ bits[:, 0].reshape(row))
+    h = _mix32(h + bits[:, 1].reshape(row))
+    u = ((h >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1): 24 bits, never 0 or 1
+    return -jnp.log(-jnp.log(u))
+
+
+def _block_token_ids(block_ids: Int[Array, "S B"]) -> Int[Array, "S B 128"]:
+    return (block_ids * BLOCK)[..., None] + jnp.arange(BLOCK, dtype=jnp.int32)
+
+
+def _race_from_blocks(
+    blocks: Float[Array, "S NB 128"], bits: UInt32[Array, "S 2"], suppressed: _Suppressed | None
 ) -> Int[Array, "S"]:
-    """The first index whose cumulative weight exp(x - row_max) exceeds `u * total`, from per-block
-    weight sums (suppressed ids, when given, weigh 0); a zero-weight token can never be that index.
+    """`argmax(x + Gumbel noise)` over each row (suppressed ids excluded): a draw from softmax(x).
 
-    Two levels (block sums, then inside one block) keep it to O(V) work: XLA's CPU cumsum over a
-    whole 49k row is several times slower.
+    The noisy logits are only reduced per block, then the winning block is recomputed, so no
+    noisy copy of the logits is written.
     """
-    num_blocks = blocks.shape[1]
-    block_cdf = jnp.cumsum(block_sum, axis=1)
-    target = u * block_cdf[:, -1]
-    block = jnp.minimum(jnp.sum(block_cdf <= target[:, None], axis=1), num_blocks - 1).astype(jnp.int32)
-    before = jnp.where(block > 0, jnp.take_along_axis(block_cdf, jnp.maximum(block - 1, 0)[:, None], 1)[:, 0], 0.0)
+    num_rows, num_blocks, _ = blocks.shape
+    all_ids = _block_token_ids(jnp.broadcast_to(jnp.arange(num_blocks, dtype=jnp.int32), (num_rows, num_blocks)))
+    block_max = jnp.max(blocks + _gumbel(bits, all_ids), axis=2)
+    if suppressed is not None:
+        own_ids = _block_token_ids(jnp.minimum(suppressed.hit_blocks, num_blocks - 1))
+        block_max = suppressed.correct(block_max, jnp.max(suppressed.own_blocks(blocks) + _gumbel(bits, own_ids), axis=2))
+    block = jnp.argmax(block_max, axis=1).astype(jnp.int32)
     inner = jnp.take_along_axis(blocks, block[:, None, None], axis=1)
     if suppressed is not None:
         inner = suppressed.mask(inner, block[:, None])
-    inner = jnp.exp(inner[:, 0] - row_max[:, None])
-    inner_cdf = jnp.cumsum(inner, axis=1) + before[:, None]
-    offset = jnp.sum(inner_cdf <= target[:, None], axis=1)
-    last_nonzero = CDF_BLOCK - 1 - jnp.argmax((inner > 0)[:, ::-1], axis=1)  # guards float round-off at the end
-    return (block * CDF_BLOCK + jnp.minimum(offset, last_nonzero)).astype(jnp.int32)
+    noisy = inner[:, 0] + _gumbel(bits, _block_token_ids(block[:, None])[:, 0])
+    return block * BLOCK + jnp.argmax(noisy, axis=1).astype(jnp.int32)
 
 
-def _inverse_cdf(processed: Float[Array, "S V"], inputs: SamplingInputs) -> Int[Array, "S"]:
-    """Draw one token per row from softmax(processed) with one uniform per row (per-row key)."""
-    blocks = _block_view(processed)
-    row_max = jnp.max(processed, axis=1)
-    block_sum = jnp.sum(jnp.exp(blocks - row_max[:, None, None]), axis=2)
-    return _draw_from_blocks(blocks, row_max, block_sum, _uniforms(inputs), None)
+def _draw(processed: Float[Array, "S V"], inputs: SamplingInputs) -> Int[Array, "S"]:
+    """Draw one token per row from softmax(processed) with the row's own noise (Gumbel-max)."""
+    return _race_from_blocks(_block_view(processed), _row_bits(inputs), None)
 
 
 def _sample_random(
@@ -269,7 +290,7 @@ def _sample_random(
     row_max = jnp.max(block_max, axis=1)
     shift = row_max[:, None, None]
     block_sum = suppressed.correct(jnp.sum(jnp.exp(blocks - shift), axis=2), jnp.sum(jnp.exp(own - shift), axis=2))
-    drawn = _draw_from_blocks(blocks, row_max, block_sum, _uniforms(inputs), suppressed)
+    drawn = _race_from_blocks(blocks, _row_bits(inputs), suppressed)
     token_ids = jnp.where(greedy, _argmax_blocks(blocks, block_max, suppressed), drawn)
     # From `blocks` itself: XLA:CPU turns the division into a multiply by 1 / divisor, and a separately
     # divided logit can sit an ulp of x / T above `row_max` (a positive logprob at low temperature).
@@ -281,7 +302,7 @@ def _verify_drafts(processed: Float[Array, "S V"], inputs: SamplingInputs) -> In
     """Rejection sampling of each row's draft token against the processed distribution (see module doc).
 
     Rows without a draft get the plain draw (their residual is the processed distribution itself),
-    so one inverse-CDF pass serves every row.
+    so one draw serves every row.
     """
     num_rows, vocab = processed.shape
     draft = inputs.draft_ids.astype(jnp.int32)
@@ -294,7 +315,7 @@ def _verify_drafts(processed: Float[Array, "S V"], inputs: SamplingInputs) -> In
     residual = jnp.where(has_draft[:, None] & is_draft, -jnp.inf, processed)
     empty = jnp.all(residual == -jnp.inf, axis=1)  # p(d) = 1: d is always kept
     accept = has_draft & ((jnp.log(u) < log_p_draft) | empty)
-    drawn = _inverse_cdf(jnp.where(empty[:, None], processed, residual), inputs)
+    drawn = _draw(jnp.where(empty[:, None], processed, residual), inputs)
     return jnp.where(accept, d, drawn)
 
 
@@ -456,7 +477,7 @@ def sample(
             processed = jnp.where(_filter_mask(scaled, inputs, greedy, num_candidates), scaled, -jnp.inf)
         else:
             processed = scaled
-        drawn = _inverse_cdf(processed, inputs) if inputs.draft_ids is None else _verify_drafts(processed, inputs)
+        drawn = _draw(processed, inputs) if inputs.draft_ids is None else _verify_drafts(processed, inputs)
         token_ids = jnp.where(greedy, argmax_last(processed), drawn)
         processed_fn = lambda: processed  # noqa: E731
 

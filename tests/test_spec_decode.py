@@ -368,15 +368,19 @@ def test_rejection_mode_samples_the_target_distribution(plain: Engine, rejection
     """Many samples of one repetitive prompt: at every position the rejection-sampled tokens and
     plain decoding's tokens come from the same distribution (chi-square homogeneity test), drafts
     do get accepted, and every emitted logprob is the target's (checked against plain decoding's
-    logprob of the same token after the same prefix)."""
+    logprob of the same token after the same prefix). The prompt ends with the model's own greedy
+    continuation, which falls into a cycle: n-gram drafts then propose tokens the model likes, so
+    hundreds get accepted whatever the seed (after a random prompt alone, a handful, by luck)."""
     from scipy import stats as scipy_stats
 
-    prompt = repetitive_prompts(43, 1)[0]
+    start = repetitive_prompts(43, 1)[0]
+    cycle = plain.generate([start], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))[0]
+    prompt = start + list(cycle.outputs[0].token_ids)
     sp = SamplingParams(n=400, temperature=1.0, top_p=0.95, seed=9, max_tokens=4, logprobs=0, ignore_eos=True)
     before = rejection.stats().speculative.accepted_tokens
     got = rejection.generate([prompt], sp)[0].outputs
     want = plain.generate([prompt], sp)[0].outputs
-    assert rejection.stats().speculative.accepted_tokens > before
+    assert rejection.stats().speculative.accepted_tokens >= before + 50
     compared = 0
     for pos in range(1, 4):
         a = np.array([c.token_ids[pos] for c in got])
