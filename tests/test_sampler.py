@@ -552,3 +552,23 @@ def test_draw_over_a_full_vocabulary_matches_the_distribution() -> None:
     observed = np.bincount(group[tokens], minlength=40)
     expected = np.bincount(group, weights=p, minlength=40) * draws
     assert stats.chisquare(observed, expected).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("vocab", [300, 4096])
+def test_kept_set_draw_equals_the_masked_draw(vocab: int) -> None:
+    """Without top-k, "filtered" rows draw by rejection against the kept set (no sort); the token must
+    be the Gumbel-max over the kept set itself: the draw over logits masked by the full-sort filter."""
+    rng = np.random.default_rng(vocab)
+    rows = 96
+    logits = (rng.normal(size=(rows, vocab)) * rng.uniform(0.5, 4.0, (rows, 1))).astype(np.float32)
+    logits[::7, 5] = logits[::7, 9] = logits[::7].max(axis=1)  # ties at the top
+    top_p = np.where(rng.uniform(size=rows) < 0.8, rng.choice([0.1, 0.5, 0.9, 0.95, 0.99], rows), 1.0)
+    min_p = np.where(rng.uniform(size=rows) < 0.3, rng.choice([0.01, 0.1, 0.5], rows), 0.0)
+    inputs = make_inputs(rows, temperature=rng.uniform(0.3, 1.5, rows).astype(np.float32), top_p=top_p.astype(np.float32),
+                         min_p=min_p.astype(np.float32), seeds=np.arange(rows), positions=11)
+    scaled = jnp.asarray(logits) / inputs.temperature[:, None]
+    mask = sm._sorted_filter_mask(scaled, inputs)
+    want = np.asarray(sm._draw(jnp.where(mask, scaled, -jnp.inf), inputs))
+    got = np.asarray(sample(jnp.asarray(logits), inputs, mode="filtered").token_ids)
+    np.testing.assert_array_equal(got, want)
+    assert np.all(np.asarray(mask)[np.arange(rows), got])
