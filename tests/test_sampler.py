@@ -572,3 +572,15 @@ def test_kept_set_draw_equals_the_masked_draw(vocab: int) -> None:
     got = np.asarray(sample(jnp.asarray(logits), inputs, mode="filtered").token_ids)
     np.testing.assert_array_equal(got, want)
     assert np.all(np.asarray(mask)[np.arange(rows), got])
+
+
+def test_filtered_draw_stops_on_nan_logits() -> None:
+    """A row with a NaN logit (a diverged model) must not hang the kept-set draw (its NaN maximum leaves
+    no candidate, while the ids ranked before the fallback id 0 are not empty); other rows are unaffected."""
+    logits = np.random.default_rng(4).normal(size=(3, 300)).astype(np.float32)
+    bad = logits.copy()
+    bad[1, 7] = np.nan
+    inputs = make_inputs(3, top_p=0.5, min_p=0.2, seeds=np.arange(3))
+    good = np.asarray(sample(jnp.asarray(logits), inputs, mode="filtered").token_ids)
+    got = np.asarray(sample(jnp.asarray(bad), inputs, mode="filtered").token_ids)
+    np.testing.assert_array_equal(got[[0, 2]], good[[0, 2]])
