@@ -159,6 +159,11 @@ def _block_view(x: Float[Array, "S V"]) -> Float[Array, "S NB 128"]:
     )
 
 
+def _block_token_ids(block_ids: Int[Array, "... B"]) -> Int[Array, "... B 128"]:
+    """Token ids held by blocks `block_ids`."""
+    return (block_ids * BLOCK)[..., None] + jnp.arange(BLOCK, dtype=jnp.int32)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Suppressed:
     """Where each row's suppressed ids fall in its blocks, so per-block reductions can be corrected
@@ -176,8 +181,7 @@ class _Suppressed:
 
     def mask(self, values: Float[Array, "S B 128"], block_ids: Int[Array, "S B"]) -> Float[Array, "S B 128"]:
         """`values` of the blocks `block_ids` with this row's suppressed ids set to -inf."""
-        token_ids = (block_ids * BLOCK)[..., None] + jnp.arange(BLOCK, dtype=jnp.int32)
-        hit = jnp.any(token_ids[..., None] == self.ids[:, None, None, :], axis=-1)
+        hit = jnp.any(_block_token_ids(block_ids)[..., None] == self.ids[:, None, None, :], axis=-1)
         return jnp.where(hit, -jnp.inf, values)
 
     def own_blocks(self, blocks: Float[Array, "S NB 128"]) -> Float[Array, "S M 128"]:
@@ -240,17 +244,14 @@ def _mix32(x: UInt32[Array, "..."]) -> UInt32[Array, "..."]:
     return x ^ (x >> 16)
 
 
-def _gumbel(bits: UInt32[Array, "S 2"], token_ids: Int[Array, "S ..."]) -> Float[Array, "S ..."]:
-    """Standard Gumbel noise of each (row, token id): a pure function of the row's bits and the id."""
+def _gumbel(bits: UInt32[Array, "S 2"], token_ids: Int[Array, "S_or_1 ..."]) -> Float[Array, "S ..."]:
+    """Standard Gumbel noise of each (row, token id): a pure function of the row's bits and the id
+    (`token_ids` per row, or one leading axis of 1 shared by every row)."""
     row = (bits.shape[0],) + (1,) * (token_ids.ndim - 1)
     h = _mix32((token_ids.astype(jnp.uint32) * jnp.uint32(0x9E3779B9)) ^ bits[:, 0].reshape(row))
     h = _mix32(h + bits[:, 1].reshape(row))
     u = ((h >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1): 24 bits, never 0 or 1
     return -jnp.log(-jnp.log(u))
-
-
-def _block_token_ids(block_ids: Int[Array, "S B"]) -> Int[Array, "S B 128"]:
-    return (block_ids * BLOCK)[..., None] + jnp.arange(BLOCK, dtype=jnp.int32)
 
 
 def _race_from_blocks(
@@ -261,9 +262,8 @@ def _race_from_blocks(
     The noisy logits are only reduced per block, then the winning block is recomputed, so no
     noisy copy of the logits is written.
     """
-    num_rows, num_blocks, _ = blocks.shape
-    all_ids = _block_token_ids(jnp.broadcast_to(jnp.arange(num_blocks, dtype=jnp.int32), (num_rows, num_blocks)))
-    block_max = jnp.max(blocks + _gumbel(bits, all_ids), axis=2)
+    num_blocks = blocks.shape[1]
+    block_max = jnp.max(blocks + _gumbel(bits, _block_token_ids(jnp.arange(num_blocks, dtype=jnp.int32)[None])), axis=2)
     if suppressed is not None:
         own_ids = _block_token_ids(jnp.minimum(suppressed.hit_blocks, num_blocks - 1))
         block_max = suppressed.correct(block_max, jnp.max(suppressed.own_blocks(blocks) + _gumbel(bits, own_ids), axis=2))
@@ -456,7 +456,7 @@ def _kept_draw(scaled: Float[Array, "S V"], inputs: SamplingInputs) -> Int[Array
     """
     blocks = _block_view(scaled)
     num_rows, num_blocks, _ = blocks.shape
-    ids = _block_token_ids(jnp.broadcast_to(jnp.arange(num_blocks, dtype=jnp.int32), (num_rows, num_blocks)))
+    ids = _block_token_ids(jnp.arange(num_blocks, dtype=jnp.int32)[None])  # [1, NB, 128]
     row_max = jnp.max(blocks, axis=(1, 2))
     ratio = jnp.exp(blocks - row_max[:, None, None])  # p / p_max, as `_prefix_keep` computes it
     total = jnp.sum(ratio, axis=(1, 2))
@@ -471,14 +471,13 @@ def _kept_draw(scaled: Float[Array, "S V"], inputs: SamplingInputs) -> Int[Array
     def round_(state: tuple[Array, Array, Array, Array]) -> tuple[Array, Array, Array, Array]:
         bound_x, bound_id, token, done = state
         candidates = jnp.where(ranked_before(bound_x, bound_id), noisy, -jnp.inf)
-        block = jnp.argmax(jnp.max(candidates, axis=2), axis=1).astype(jnp.int32)
-        inner = jnp.take_along_axis(candidates, block[:, None, None], axis=1)[:, 0]
-        c = block * BLOCK + jnp.argmax(inner, axis=1).astype(jnp.int32)
+        block_max = jnp.max(candidates, axis=2)
+        c = _argmax_blocks(candidates, block_max, None)
         x_c = jnp.take_along_axis(blocks.reshape(num_rows, -1), c[:, None], axis=1)[:, 0]
         before = ranked_before(x_c, c)
         mass_before = jnp.sum(jnp.where(before, ratio, 0.0), axis=(1, 2)) / total
         first = ~jnp.any(before, axis=(1, 2))
-        no_candidate = ~(jnp.max(inner, axis=1) > -jnp.inf)  # only with NaN logits: stop, never loop
+        no_candidate = ~(jnp.max(block_max, axis=1) > -jnp.inf)  # only with NaN logits: stop, never loop
         kept = (top_p >= 1.0) | (mass_before < top_p) | first | no_candidate
         token = jnp.where(done, token, c)
         return jnp.where(kept, bound_x, x_c), jnp.where(kept, bound_id, c), token, done | kept
@@ -493,7 +492,8 @@ def _filtered_draw(scaled: Float[Array, "S V"], inputs: SamplingInputs, num_cand
     `lax.top_k`), the others through `_kept_draw`; each row's token depends only on its own settings."""
     vocab = scaled.shape[1]
     with_k = _top_k_active(inputs, vocab)
-    drawn = _kept_draw(scaled, _without_filters(inputs, with_k))
+    drawn = lax.cond(jnp.all(with_k), lambda: jnp.zeros(with_k.shape, jnp.int32),
+                     lambda: _kept_draw(scaled, _without_filters(inputs, with_k)))
 
     def masked_draw() -> Int[Array, "S"]:
         only_k = _without_filters(inputs, ~with_k)
