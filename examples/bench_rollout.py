@@ -25,7 +25,8 @@ column's RSS includes whatever the freed engine left behind (`rss_*` fields in t
 
 Run: `python examples/bench_rollout.py` (full; slow on a small CPU), `--quick` to smoke-test,
 `--no-baseline` to skip transformers, `--workloads R1`, `--batch-sizes 1,8`, `--repeats 5`,
-`--json-out out.json`, `--top-p 0.95` (nucleus sampling in every sampling run, both sides). Ends with
+`--json-out out.json`, `--top-p 0.95` / `--top-k 50` (nucleus / top-k sampling in every sampling run,
+both sides). Ends with
 one JSON line holding every figure.
 """
 
@@ -86,6 +87,9 @@ def build_runs(args: argparse.Namespace, tok: Any) -> list[dict[str, Any]]:
                              prefix_cache=False, hf_same_as=f"{p * n} distinct"))
     for r in runs:
         r["top_p"] = args.top_p if r["temperature"] > 0 else 1.0
+        r["top_k"] = args.top_k if r["temperature"] > 0 else 0
+        if r["top_k"] > 0:
+            r["mode"] += f" top_k={r['top_k']}"
         if r["top_p"] < 1.0:
             r["mode"] += f" top_p={r['top_p']}"
         r["seqs"] = len(r["prompts"]) * r["n"]
@@ -108,7 +112,8 @@ def run_ours(args: argparse.Namespace, runs: list[dict[str, Any]], tok: Any, max
     bm = engine.block_manager
 
     for r in runs:
-        sp = SamplingParams(n=r["n"], temperature=r["temperature"], top_p=r["top_p"], seed=0, max_tokens=r["max_tokens"],
+        sp = SamplingParams(n=r["n"], temperature=r["temperature"], top_p=r["top_p"], top_k=r["top_k"], seed=0,
+                            max_tokens=r["max_tokens"],
                             min_tokens=r["max_tokens"], logprobs=r["logprobs"])
         prompts = r["prompts"]
         bm.enable_prefix_caching = r["prefix_cache"]  # benchmark-only switch (see the R2 "no prefix cache" row)
@@ -204,7 +209,7 @@ def run_hf(args: argparse.Namespace, runs: list[dict[str, Any]], pad_id: int) ->
         if r["temperature"] == 0.0:
             kw.update(do_sample=False)
         else:
-            kw.update(do_sample=True, temperature=1.0, top_p=r["top_p"], top_k=0)
+            kw.update(do_sample=True, temperature=1.0, top_p=r["top_p"], top_k=r["top_k"])
         want_lp = r["logprobs"] is not None
         if want_lp:
             kw.update(output_logits=True, return_dict_in_generate=True)
@@ -257,6 +262,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--top-p", type=float, default=1.0,
                     help="top_p of every sampling run, both sides (the workloads say 1.0; 0.95 shows the filter's cost)")
+    ap.add_argument("--top-k", type=int, default=0,
+                    help="top_k of every sampling run, both sides (the workloads say off; 50 shows the filter's cost)")
     ap.add_argument("--no-r2-nocache", action="store_true", help="skip R2's 'distinct, no prefix cache' reference row")
     ap.add_argument("--json-out", default=None, help="also write the final JSON line to this file")
     ap.add_argument("--mesh", default=None, metavar="SIZES",

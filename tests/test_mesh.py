@@ -113,16 +113,20 @@ def test_load_places_each_tensor_sharded(tmp_path) -> None:
 
 
 def test_filtered_sampling_with_vocab_sharded_logits() -> None:
-    """top-k/top-p over logits sharded by vocabulary (this once crashed XLA's SPMD partitioner)."""
-    cfg = ModelConfig(family="llama", vocab_size=1024, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+    """top-k/top-p over logits sharded by vocabulary (this once crashed XLA's SPMD partitioner): every
+    row at top_k <= 64 (the best-blocks path, vocabulary large enough for it), then a row at top_k = 100
+    (the top-512 path)."""
+    cfg = ModelConfig(family="llama", vocab_size=32768, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(5))
     sp = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=11, max_tokens=6, logprobs=0)
+    wide = SamplingParams(temperature=0.8, top_k=100, seed=11, max_tokens=6, logprobs=0)
     prompts = [[5, 6, 7, 8], [900, 901]]
-    ref = Engine.from_model(model, IdTokenizer(), **KW).generate(prompts, sp)
-    outs = Engine.from_model(model, IdTokenizer(), mesh=(1, 2), **KW).generate(prompts, sp)
-    for a, b in zip(outs, ref):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    engines = [Engine.from_model(model, IdTokenizer(), **KW), Engine.from_model(model, IdTokenizer(), mesh=(1, 2), **KW)]
+    for params in (sp, [sp, wide]):
+        ref, outs = (engine.generate(prompts, params) for engine in engines)
+        for a, b in zip(outs, ref):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
 
 
 def test_sharded_load_reads_each_device_slice_only(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -584,3 +584,53 @@ def test_filtered_draw_stops_on_nan_logits() -> None:
     good = np.asarray(sample(jnp.asarray(logits), inputs, mode="filtered").token_ids)
     got = np.asarray(sample(jnp.asarray(bad), inputs, mode="filtered").token_ids)
     np.testing.assert_array_equal(got[[0, 2]], good[[0, 2]])
+
+
+def test_top_candidates_from_the_best_blocks_match_a_stable_sort() -> None:
+    """The top-C logits taken from the C blocks with the largest maxima equal a stable descending sort's
+    first C (values and ids): ties inside and across blocks, rows with fewer than C finite logits, a
+    vocabulary that is not a whole number of blocks."""
+    rng = np.random.default_rng(7)
+    rows, vocab, c = 12, 40_000 + 77, sm.SMALL_TOP_K
+    assert 4 * c <= -(-vocab // sm.BLOCK)  # the block path, not lax.top_k over whole rows
+    logits = np.round(rng.normal(size=(rows, vocab)) * 4) / 4  # many exact ties
+    logits[1] = -np.inf
+    logits[1, [5, 9000, vocab - 1]] = 1.0  # three finite logits: padding ids fill the rest
+    logits[2, ::128] = 10.0  # every block's maximum ties
+    logits[3, -3:] = 20.0  # the best ids sit in the padded last block
+    desc, ids = sm._top_candidates(jnp.asarray(logits, jnp.float32), c)
+    desc, ids = np.asarray(desc), np.asarray(ids)
+    order = np.argsort(-logits, axis=1, kind="stable")[:, :c]
+    np.testing.assert_array_equal(desc, np.take_along_axis(logits, order, axis=1).astype(np.float32))
+    full_rows = [r for r in range(rows) if r != 1]
+    np.testing.assert_array_equal(ids[full_rows], order[full_rows])
+    np.testing.assert_array_equal(ids[1, :3], [5, 9000, vocab - 1])
+
+
+@pytest.mark.parametrize("largest_top_k", [sm.SMALL_TOP_K, 200])
+def test_small_top_k_mask_matches_full_sort(largest_top_k: int) -> None:
+    """Rows whose top-k is at most `SMALL_TOP_K` rank only their best blocks; mixed with top-p, min-p,
+    suppressed ids and ties, the mask and the drawn tokens equal the full-sort path's and the draw over the
+    masked rows. With one row at top_k = 200 the batch takes the top-512 path instead: same result."""
+    rng = np.random.default_rng(largest_top_k)
+    rows, vocab = 32, 40_000 + 77
+    logits = (np.round(rng.normal(size=(rows, vocab)) * rng.uniform(1, 6, (rows, 1)) * 4) / 4).astype(np.float32)
+    top_k = rng.choice([1, 2, 7, 50, sm.SMALL_TOP_K], rows)
+    top_k[0] = largest_top_k
+    top_p = np.where(rng.uniform(size=rows) < 0.5, rng.choice([0.3, 0.9, 0.99], rows), 1.0).astype(np.float32)
+    min_p = np.where(rng.uniform(size=rows) < 0.3, 0.05, 0.0).astype(np.float32)
+    suppress = np.where(rng.uniform(size=(rows, 2)) < 0.5, np.argmax(logits, axis=1)[:, None], -1)
+    inputs = make_inputs(rows, temperature=rng.uniform(0.5, 1.5, rows).astype(np.float32), top_k=top_k, top_p=top_p,
+                         min_p=min_p, seeds=np.arange(rows), suppress_ids=suppress)
+    scaled = sm._suppress(jnp.asarray(logits), inputs.suppress_ids) / inputs.temperature[:, None]
+    fast = np.asarray(sm._filter_mask(scaled, inputs, jnp.zeros(rows, bool), sm.NUM_CANDIDATES))
+    full = np.asarray(sm._sorted_filter_mask(scaled, inputs))
+    np.testing.assert_array_equal(fast, full)
+    assert np.all(fast.sum(axis=1) <= top_k)
+    got = sample(jnp.asarray(logits), inputs, mode="filtered", num_top_logprobs=3)
+    want = sample(jnp.asarray(logits), inputs, mode="filtered", num_top_logprobs=3, num_candidates=vocab)
+    np.testing.assert_array_equal(np.asarray(got.token_ids), np.asarray(want.token_ids))
+    np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), atol=1e-5)
+    # The draw from the best logits alone is the Gumbel-max over the masked row.
+    masked_draw = np.asarray(sm._draw(jnp.where(full, scaled, -jnp.inf), inputs))
+    np.testing.assert_array_equal(np.asarray(got.token_ids), masked_draw)
