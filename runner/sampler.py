@@ -413,6 +413,12 @@ def _top_candidates(scaled: Float[Array, "S V"], num_candidates: int) -> tuple[F
     return lax.optimization_barrier(desc), lax.optimization_barrier(ids.astype(jnp.int32))
 
 
+def _top_k_log_norm(desc: Float[Array, "S C"], top_k: Int[Array, "S"]) -> Float[Array, "S"]:
+    """log(sum exp(l - l_max)) over the first `top_k` of each descending row (top-p's normalizer)."""
+    rank = lax.broadcasted_iota(jnp.int32, desc.shape, 1)
+    return jax.nn.logsumexp(jnp.where(rank < top_k[:, None], desc - desc[:, :1], -jnp.inf), axis=1)
+
+
 def _candidate_filter_mask(
     scaled: Float[Array, "S V"], inputs: SamplingInputs, needs_filter: Bool[Array, "S"], num_candidates: int
 ) -> tuple[Bool[Array, "S V"], Bool[Array, "S"]]:
@@ -427,8 +433,7 @@ def _candidate_filter_mask(
     top_k = inputs.top_k.astype(jnp.int32)
     k_off = (top_k <= 0) | (top_k >= vocab)
     k_small = ~k_off & (top_k <= num_candidates)
-    rank = lax.broadcasted_iota(jnp.int32, desc.shape, 1)
-    log_norm_k = jax.nn.logsumexp(jnp.where(rank < top_k[:, None], desc - row_max, -jnp.inf), axis=1)
+    log_norm_k = _top_k_log_norm(desc, top_k)
     log_norm = lax.cond(  # the whole-row normalizer (a pass over the logits) only if a row needs it
         jnp.all(k_small | ~needs_filter), lambda: log_norm_k,
         lambda: jnp.where(k_small, log_norm_k, jax.nn.logsumexp(scaled - row_max, axis=1)))
@@ -553,9 +558,7 @@ def _small_top_k_draw(scaled: Float[Array, "S V"], inputs: SamplingInputs) -> In
     to the lowest id, so the token is the one drawn over the masked row, without writing that row."""
     vocab = scaled.shape[1]
     desc, ids = _top_candidates(scaled, min(SMALL_TOP_K, vocab))
-    rank = lax.broadcasted_iota(jnp.int32, desc.shape, 1)
-    log_norm = jax.nn.logsumexp(jnp.where(rank < inputs.top_k[:, None], desc - desc[:, :1], -jnp.inf), axis=1)
-    keep = _prefix_keep(desc, log_norm, inputs, vocab)
+    keep = _prefix_keep(desc, _top_k_log_norm(desc, inputs.top_k), inputs, vocab)
     noisy = jnp.where(keep, desc + _gumbel(_row_bits(inputs), ids), -jnp.inf)
     best = jnp.max(noisy, axis=1, keepdims=True)
     return jnp.minimum(jnp.min(jnp.where(noisy == best, ids, vocab), axis=1), vocab - 1)  # NaN rows: in range
