@@ -13,16 +13,38 @@ import dataclasses
 
 import jax
 import numpy as np
-from jaxtyping import Array, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from runner.attention import AttentionMetadata
 from runner.buckets import BucketConfig, pick
-from runner.sampler import SamplingInputs
 
 SAMPLER_MODES = ("greedy", "random", "filtered")
 MAX_SUPPRESS = 8  # ids a request may forbid per step (EOS + stop ids before min_tokens)
 # Most tokens a verification step's attention row holds (k <= 7); rows are k + 1 long where the buckets know k.
 VERIFY_Q_LEN = 8
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingInputs:
+    """Per-row sampling settings, arrays over the padded batch of S rows."""
+
+    temperature: Float[Array, "S"]  # < GREEDY_EPS (e.g. 0) = greedy
+    top_k: Int[Array, "S"]  # <= 0 or >= V = off
+    top_p: Float[Array, "S"]  # >= 1.0 = off
+    min_p: Float[Array, "S"]  # <= 0.0 = off
+    seeds: Int[Array, "S"]  # uint32/int32 per-request seed
+    sample_index: Int[Array, "S"]  # which of the request's n samples this row is
+    positions: Int[Array, "S"]  # absolute position of the token being sampled
+    suppress_ids: Int[Array, "S M"]  # token ids forbidden this step (-1 = none), e.g. EOS before min_tokens
+    processed: Bool[Array, "S"]  # logprobs of the processed distribution (True) or raw logits (False)
+    # Speculative rejection sampling: the draft token each row verifies (-1 = none, a plain draw).
+    # None (the default) compiles no verification code.
+    draft_ids: Int[Array, "S"] | None = None
+    # Rows whose sampled token's logprob is wanted (None: all); other rows' values are unspecified.
+    # Without top-k: "greedy" and "filtered" skip the log-sum-exp when no row wants one (zeros),
+    # "random" skips the raw one when no row wants it (its processed logprob comes from the draw's sums).
+    want_logprob: Bool[Array, "S"] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Tests for runner/sampler.py: modes, per-row determinism, exact distributions, logprobs, suppression."""
+"""Tests for runner/sampler.py, sampler_blocks.py and sampler_filters.py: modes, per-row determinism, exact
+distributions, logprobs, suppression."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ import pytest
 from scipy import stats
 
 from runner import sampler as sm
-from runner.sampler import SamplingInputs, choose_mode, sample
+from runner import sampler_blocks as blk
+from runner import sampler_filters as flt
+from runner.sampler import choose_mode, sample
+from runner.step_inputs import SamplingInputs
 
 V_SMALL = 24
 
@@ -109,11 +113,11 @@ def test_argmax_last_matches_numpy_first_maximum(vocab: int) -> None:
     x[0, 1, [5, 700 % vocab]] = np.nan
     x[0, 2, -1] = 10.0  # the maximum in the padded last block
     x[0, 3, :] = 2.0
-    got = np.asarray(sm.argmax_last(jnp.asarray(x)))
+    got = np.asarray(blk.argmax_last(jnp.asarray(x)))
     np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
     big = rng.normal(size=(64, vocab)).astype(np.float32)
-    np.testing.assert_array_equal(np.asarray(sm.argmax_last(jnp.asarray(big))), big.argmax(-1))
-    assert int(sm.argmax_last(jnp.asarray(big[3]))) == int(big[3].argmax())  # one row, no batch axis
+    np.testing.assert_array_equal(np.asarray(blk.argmax_last(jnp.asarray(big))), big.argmax(-1))
+    assert int(blk.argmax_last(jnp.asarray(big[3]))) == int(big[3].argmax())  # one row, no batch axis
 
 
 @pytest.mark.parametrize("vocab", [1000, 129, 100])
@@ -132,7 +136,7 @@ def test_argmax_last_with_suppressed_ids_matches_numpy(vocab: int) -> None:
     want = x.copy()
     for r, ids in enumerate(suppress):
         want[r, [i for i in ids if 0 <= i < vocab]] = -np.inf
-    got = np.asarray(sm.argmax_last(jnp.asarray(x), jnp.asarray(suppress)))
+    got = np.asarray(blk.argmax_last(jnp.asarray(x), jnp.asarray(suppress)))
     np.testing.assert_array_equal(got, want.argmax(-1))
     out = sample(jnp.asarray(x), make_inputs(6, temperature=0.0, suppress_ids=suppress, processed=True),
                  mode="greedy", num_top_logprobs=0)
@@ -401,7 +405,7 @@ def test_candidate_shortcut_matches_full_sort(settings: dict[str, float]) -> Non
 
     # The shortcut is exact exactly when the kept set ends before the last candidate.
     small = jax.tree.map(lambda x: x[:4], inputs)
-    _, exact = sm._candidate_filter_mask(logits[:4] / small.temperature[:, None], small, jnp.ones(4, bool), candidates)
+    _, exact = flt.candidate_filter_mask(logits[:4] / small.temperature[:, None], small, jnp.ones(4, bool), candidates)
     assert bool(jnp.all(exact)) == (kept < candidates)
 
     fast = sample(logits, inputs, mode="filtered", num_candidates=candidates)
@@ -567,8 +571,8 @@ def test_kept_set_draw_equals_the_masked_draw(vocab: int) -> None:
     inputs = make_inputs(rows, temperature=rng.uniform(0.3, 1.5, rows).astype(np.float32), top_p=top_p.astype(np.float32),
                          min_p=min_p.astype(np.float32), seeds=np.arange(rows), positions=11)
     scaled = jnp.asarray(logits) / inputs.temperature[:, None]
-    mask = sm._sorted_filter_mask(scaled, inputs)
-    want = np.asarray(sm._draw(jnp.where(mask, scaled, -jnp.inf), inputs))
+    mask = flt.sorted_filter_mask(scaled, inputs)
+    want = np.asarray(blk.draw(jnp.where(mask, scaled, -jnp.inf), inputs))
     got = np.asarray(sample(jnp.asarray(logits), inputs, mode="filtered").token_ids)
     np.testing.assert_array_equal(got, want)
     assert np.all(np.asarray(mask)[np.arange(rows), got])
@@ -591,14 +595,14 @@ def test_top_candidates_from_the_best_blocks_match_a_stable_sort() -> None:
     first C (values and ids): ties inside and across blocks, rows with fewer than C finite logits, a
     vocabulary that is not a whole number of blocks."""
     rng = np.random.default_rng(7)
-    rows, vocab, c = 12, 40_000 + 77, sm.SMALL_TOP_K
-    assert 4 * c <= -(-vocab // sm.BLOCK)  # the block path, not lax.top_k over whole rows
+    rows, vocab, c = 12, 40_000 + 77, flt.SMALL_TOP_K
+    assert 4 * c <= -(-vocab // blk.BLOCK)  # the block path, not lax.top_k over whole rows
     logits = np.round(rng.normal(size=(rows, vocab)) * 4) / 4  # many exact ties
     logits[1] = -np.inf
     logits[1, [5, 9000, vocab - 1]] = 1.0  # three finite logits: padding ids fill the rest
     logits[2, ::128] = 10.0  # every block's maximum ties
     logits[3, -3:] = 20.0  # the best ids sit in the padded last block
-    desc, ids = sm._top_candidates(jnp.asarray(logits, jnp.float32), c)
+    desc, ids = flt.top_candidates(jnp.asarray(logits, jnp.float32), c)
     desc, ids = np.asarray(desc), np.asarray(ids)
     order = np.argsort(-logits, axis=1, kind="stable")[:, :c]
     np.testing.assert_array_equal(desc, np.take_along_axis(logits, order, axis=1).astype(np.float32))
@@ -607,7 +611,7 @@ def test_top_candidates_from_the_best_blocks_match_a_stable_sort() -> None:
     np.testing.assert_array_equal(ids[1, :3], [5, 9000, vocab - 1])
 
 
-@pytest.mark.parametrize("largest_top_k", [sm.SMALL_TOP_K, 200])
+@pytest.mark.parametrize("largest_top_k", [flt.SMALL_TOP_K, 200])
 def test_small_top_k_mask_matches_full_sort(largest_top_k: int) -> None:
     """Rows whose top-k is at most `SMALL_TOP_K` rank only their best blocks; mixed with top-p, min-p,
     suppressed ids and ties, the mask and the drawn tokens equal the full-sort path's and the draw over the
@@ -615,16 +619,16 @@ def test_small_top_k_mask_matches_full_sort(largest_top_k: int) -> None:
     rng = np.random.default_rng(largest_top_k)
     rows, vocab = 32, 40_000 + 77
     logits = (np.round(rng.normal(size=(rows, vocab)) * rng.uniform(1, 6, (rows, 1)) * 4) / 4).astype(np.float32)
-    top_k = rng.choice([1, 2, 7, 50, sm.SMALL_TOP_K], rows)
+    top_k = rng.choice([1, 2, 7, 50, flt.SMALL_TOP_K], rows)
     top_k[0] = largest_top_k
     top_p = np.where(rng.uniform(size=rows) < 0.5, rng.choice([0.3, 0.9, 0.99], rows), 1.0).astype(np.float32)
     min_p = np.where(rng.uniform(size=rows) < 0.3, 0.05, 0.0).astype(np.float32)
     suppress = np.where(rng.uniform(size=(rows, 2)) < 0.5, np.argmax(logits, axis=1)[:, None], -1)
     inputs = make_inputs(rows, temperature=rng.uniform(0.5, 1.5, rows).astype(np.float32), top_k=top_k, top_p=top_p,
                          min_p=min_p, seeds=np.arange(rows), suppress_ids=suppress)
-    scaled = sm._suppress(jnp.asarray(logits), inputs.suppress_ids) / inputs.temperature[:, None]
-    fast = np.asarray(sm._filter_mask(scaled, inputs, jnp.zeros(rows, bool), sm.NUM_CANDIDATES))
-    full = np.asarray(sm._sorted_filter_mask(scaled, inputs))
+    scaled = blk.suppress(jnp.asarray(logits), inputs.suppress_ids) / inputs.temperature[:, None]
+    fast = np.asarray(flt.filter_mask(scaled, inputs, jnp.zeros(rows, bool), flt.NUM_CANDIDATES))
+    full = np.asarray(flt.sorted_filter_mask(scaled, inputs))
     np.testing.assert_array_equal(fast, full)
     assert np.all(fast.sum(axis=1) <= top_k)
     got = sample(jnp.asarray(logits), inputs, mode="filtered", num_top_logprobs=3)
@@ -632,5 +636,5 @@ def test_small_top_k_mask_matches_full_sort(largest_top_k: int) -> None:
     np.testing.assert_array_equal(np.asarray(got.token_ids), np.asarray(want.token_ids))
     np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), atol=1e-5)
     # The draw from the best logits alone is the Gumbel-max over the masked row.
-    masked_draw = np.asarray(sm._draw(jnp.where(full, scaled, -jnp.inf), inputs))
+    masked_draw = np.asarray(blk.draw(jnp.where(full, scaled, -jnp.inf), inputs))
     np.testing.assert_array_equal(np.asarray(got.token_ids), masked_draw)

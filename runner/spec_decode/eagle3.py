@@ -32,7 +32,7 @@ from jaxtyping import Array, Float, Int
 from runner.attention import MASK_VALUE, ragged_paged_attention, write_kv
 from runner.models.config import ModelConfig, RopeScaling
 from runner.models.llama import MLP, Linear, LlamaForCausalLM, RMSNorm, apply_rope, rope_inv_freq
-from runner.sampler import argmax_last
+from runner.sampler_blocks import argmax_last
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
     """vLLM's choice for Llama targets, clamped into range for very shallow (test) models."""
