@@ -17,7 +17,8 @@ B = 1 and k = 3; `--sampling` adds a temperature-1 run (seed 0).
 
 Run: `python examples/bench_spec.py` (full), `--quick` (smoke test: B = 1, 32 tokens, 1 repeat),
 `--k 4`, `--batch-sizes 1,8`, `--repeats 3`, `--no-auto-disable`, `--json-out out.json`,
-`--eagle examples/results/eagle3-smollm2`. Ends with one JSON line holding every figure.
+`--eagle examples/results/eagle3-smollm2`, `--num-prompts 8` (prompts 0..7 queued through a B-sequence
+engine: with B = 1 each runs alone). Ends with one JSON line holding every figure.
 """
 
 from __future__ import annotations
@@ -84,9 +85,14 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--eagle", default=None, help="draft with this EAGLE-3 head directory instead of n-gram lookup")
     ap.add_argument("--workload", choices=("r1", "r3"), default=None, help="prompts (default: r3; r1 with --eagle)")
     ap.add_argument("--sampling", action="store_true", help="also run temperature 1.0 (seed 0)")
+    ap.add_argument("--num-prompts", type=int, default=None,
+                    help="prompts i = 0..N-1 per run (default B); with N > B they queue and run B at a time "
+                         "(max_num_seqs = B), e.g. --batch-sizes 1 --num-prompts 8: eight prompts each at B = 1")
     args = ap.parse_args()
     default_batches = "1" if args.quick or args.eagle else "1,8"
     args.batch_sizes = [int(b) for b in (args.batch_sizes or default_batches).split(",")]
+    if args.num_prompts and len(args.batch_sizes) > 1:  # the engines' max_num_seqs is the largest B
+        ap.error("--num-prompts takes one batch size (--batch-sizes B): the prompts then run B at a time")
     args.repeats = args.repeats or (1 if args.quick else 3)
     args.max_tokens = args.max_tokens or (32 if args.quick else 128)
     args.workload = args.workload or ("r1" if args.eagle else "r3")
@@ -129,9 +135,11 @@ def main() -> None:
     for batch, (mode, sp_kw) in [(b, m) for b in args.batch_sizes for m in modes]:
         # R1: exactly max_tokens new tokens (EOS ignored); R3: a sequence may stop at EOS
         sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=r1, **sp_kw)
-        prompts = ([tok.encode(bc.r1_prompt(i)) for i in range(batch)] if r1
-                   else [prompt_ids(tok, i, not args.no_chat) for i in range(batch)])
-        result: dict[str, Any] = dict(batch=batch, mode=mode, prompt_tokens=[len(p) for p in prompts])
+        num_prompts = max(args.num_prompts or batch, batch)
+        prompts = ([tok.encode(bc.r1_prompt(i)) for i in range(num_prompts)] if r1
+                   else [prompt_ids(tok, i, not args.no_chat) for i in range(num_prompts)])
+        result: dict[str, Any] = dict(batch=batch, mode=mode, num_prompts=num_prompts,
+                                      prompt_tokens=[len(p) for p in prompts])
         outs = {}
         for name, engine in (("plain", plain), ("spec", spec)):
             engine.block_manager.invalidate_prefix_cache()
@@ -164,14 +172,14 @@ def main() -> None:
         result["first_difference"] = first_difference(outs["plain"], outs["spec"])
         result["identical"] = result["first_difference"] is None
         runs.append(result)
-        rows.append([batch, mode, result["new_tokens"], f"{result['plain_tok_s']:.1f}", f"{result['spec_tok_s']:.1f}",
+        rows.append([batch, num_prompts, mode, result["new_tokens"], f"{result['plain_tok_s']:.1f}", f"{result['spec_tok_s']:.1f}",
                      f"{result['ratio']:.2f}x", f"{result['mean_accepted_per_step']:.2f}",
                      f"{result['acceptance_rate']:.2f}", f"{result['disabled_share']:.2f}",
                      "True" if result["identical"] else "False (seq {}, token {})".format(*result["first_difference"])])
         if batch == args.batch_sizes[0]:
             print("sample output:", repr(tok.decode(outs["spec"][0])[:200]))
 
-    bc.print_table(["B", "mode", "new tokens", "plain tok/s", "spec tok/s", "ratio", "tokens/step", "accept rate",
+    bc.print_table(["B", "prompts", "mode", "new tokens", "plain tok/s", "spec tok/s", "ratio", "tokens/step", "accept rate",
                     "disabled", "identical"], rows)
     print(bc.json_line(dict(bench=f"spec-{args.workload.upper()}", drafter=drafter, k=args.k, auto_disable=spec_cfg.auto_disable,
                             plain_num_scheduler_steps=plain.config.num_scheduler_steps, chat=not args.no_chat and not r1,
