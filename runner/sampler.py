@@ -52,13 +52,13 @@ from jaxtyping import Array, Bool, Float, Int
 from runner.sampler_blocks import (Suppressed, argmax_blocks, argmax_last, block_view, draw, race_from_blocks, row_bits,
                                    row_keys, suppress)
 from runner.sampler_filters import NUM_CANDIDATES, filter_mask, filtered_draw, processed_for_logprobs
-from runner.step_inputs import SamplingInputs
+from runner.step_inputs import SAMPLER_MODES, SamplingInputs
 
 
 Mode = Literal["greedy", "random", "filtered"]
 
 
-MODES: tuple[str, ...] = ("greedy", "random", "filtered")
+MODES: tuple[str, ...] = SAMPLER_MODES  # the order `DeviceBatch.mode` indexes
 
 
 GREEDY_EPS = 1e-5  # temperature below this is greedy (vLLM's _SAMPLING_EPS)
