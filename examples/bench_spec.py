@@ -8,7 +8,8 @@ embedded SmolLM2-135M-Instruct in float32. The plain engine has its defaults (mu
 on the same prompts: tokens/s = generated tokens / wall seconds of the whole generate call, median
 of `--repeats` after `engine.warmup()` and one untimed warm-up call; the prefix cache is cleared before every call. Reports the
 ratio, mean tokens emitted per sequence per verification step, the acceptance rate, the share of
-decode steps auto-disable skipped, and whether the outputs are identical token for token.
+decode steps auto-disable skipped, the share of draft steps an unsure EAGLE-3 head decoded plainly
+(`--min-confidence`), and whether the outputs are identical token for token.
 
 EAGLE-3 (`--eagle DIR`, a head in the published layout, e.g. from `examples/train_eagle3.py`): the
 drafter is that head instead of n-gram lookup, on workload R1's ordinary prompts (`Question {i}: ...`,
@@ -17,7 +18,7 @@ B = 1 and k = 3; `--sampling` adds a temperature-1 run (seed 0).
 
 Run: `python examples/bench_spec.py` (full), `--quick` (smoke test: B = 1, 32 tokens, 1 repeat),
 `--k 4`, `--batch-sizes 1,8`, `--repeats 3`, `--no-auto-disable`, `--json-out out.json`,
-`--eagle examples/results/eagle3-smollm2`, `--num-prompts 8` (prompts 0..7 queued through a B-sequence
+`--eagle examples/results/eagle3-smollm2`, `--min-confidence 0.3`, `--num-prompts 8` (prompts 0..7 queued through a B-sequence
 engine: with B = 1 each runs alone). Ends with one JSON line holding every figure.
 """
 
@@ -85,6 +86,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--eagle", default=None, help="draft with this EAGLE-3 head directory instead of n-gram lookup")
     ap.add_argument("--workload", choices=("r1", "r3"), default=None, help="prompts (default: r3; r1 with --eagle)")
     ap.add_argument("--sampling", action="store_true", help="also run temperature 1.0 (seed 0)")
+    ap.add_argument("--min-confidence", type=float, default=0.0,
+                    help="EAGLE-3: decode plainly in steps where every first draft's probability is below this")
     ap.add_argument("--num-prompts", type=int, default=None,
                     help="prompts i = 0..N-1 per run (default B); with N > B they queue and run B at a time "
                          "(max_num_seqs = B), e.g. --batch-sizes 1 --num-prompts 8: eight prompts each at B = 1")
@@ -113,7 +116,8 @@ def main() -> None:
     from rollout import Eagle3Config, Engine, NgramConfig, SamplingParams
 
     if args.eagle:
-        spec_cfg = Eagle3Config(args.eagle, k=args.k, auto_disable=not args.no_auto_disable)
+        spec_cfg = Eagle3Config(args.eagle, k=args.k, auto_disable=not args.no_auto_disable,
+                                min_confidence=args.min_confidence)
     else:
         spec_cfg = NgramConfig(k=args.k, prompt_lookup_min=1, prompt_lookup_max=3, auto_disable=not args.no_auto_disable)
     kw = dict(max_num_seqs=max(args.batch_sizes), max_model_len=512)
@@ -127,7 +131,8 @@ def main() -> None:
     r1 = args.workload == "r1"
     modes = [("greedy", dict(temperature=0.0))] + ([("t1.0", dict(temperature=1.0, seed=0))] if args.sampling else [])
     drafter = f"EAGLE-3 {args.eagle}" if args.eagle else "n-gram"
-    print(f"{args.workload.upper()} speculative decoding ({drafter}): k={args.k}, auto_disable={spec_cfg.auto_disable}, "
+    unsure = f", min_confidence={args.min_confidence}" if args.eagle else ""
+    print(f"{args.workload.upper()} speculative decoding ({drafter}): k={args.k}{unsure}, auto_disable={spec_cfg.auto_disable}, "
           f"chat={not args.no_chat and not r1}, {args.max_tokens} new tokens, median of {args.repeats}; "
           f"plain engine: num_scheduler_steps={plain.config.num_scheduler_steps} (its default); {bc.cpu_settings()}")
 
@@ -165,6 +170,8 @@ def main() -> None:
                                              if delta["drafted_tokens"] else 0.0)
                 steps = delta["num_draft_steps"] + delta["num_disabled_steps"]
                 result["disabled_share"] = delta["num_disabled_steps"] / steps if steps else 0.0
+                result["unsure_share"] = (delta["num_unsure_steps"] / delta["num_draft_steps"]
+                                          if delta["num_draft_steps"] else 0.0)
                 result["spec_counters"] = delta
                 result["step_seconds"] = {f"{'spec' if d else 'plain'}@{n}": v
                                           for (d, n), v in sorted(engine.speculator._seconds.items())}
@@ -174,14 +181,15 @@ def main() -> None:
         runs.append(result)
         rows.append([batch, num_prompts, mode, result["new_tokens"], f"{result['plain_tok_s']:.1f}", f"{result['spec_tok_s']:.1f}",
                      f"{result['ratio']:.2f}x", f"{result['mean_accepted_per_step']:.2f}",
-                     f"{result['acceptance_rate']:.2f}", f"{result['disabled_share']:.2f}",
+                     f"{result['acceptance_rate']:.2f}", f"{result['disabled_share']:.2f}", f"{result['unsure_share']:.2f}",
                      "True" if result["identical"] else "False (seq {}, token {})".format(*result["first_difference"])])
         if batch == args.batch_sizes[0]:
             print("sample output:", repr(tok.decode(outs["spec"][0])[:200]))
 
     bc.print_table(["B", "prompts", "mode", "new tokens", "plain tok/s", "spec tok/s", "ratio", "tokens/step", "accept rate",
-                    "disabled", "identical"], rows)
+                    "disabled", "unsure", "identical"], rows)
     print(bc.json_line(dict(bench=f"spec-{args.workload.upper()}", drafter=drafter, k=args.k, auto_disable=spec_cfg.auto_disable,
+                            min_confidence=args.min_confidence,
                             plain_num_scheduler_steps=plain.config.num_scheduler_steps, chat=not args.no_chat and not r1,
                             max_tokens=args.max_tokens, repeats=args.repeats, runs=runs,
                             all_identical=all(r["identical"] for r in runs)), args.json_out))

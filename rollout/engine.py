@@ -74,7 +74,8 @@ class Engine:
             draft_head = load_eagle3_head(spec.path, cfg, aux_layer_ids=spec.aux_layer_ids)
         self.runner = ModelRunner(model, kv_spec, buckets, max_logprobs=config.max_logprobs, mesh=device_mesh,
                                   attention_impl=attention_impl, draft_head=draft_head,
-                                  num_scheduler_steps=config.num_scheduler_steps)
+                                  num_scheduler_steps=config.num_scheduler_steps,
+                                  draft_min_confidence=spec.min_confidence if isinstance(spec, Eagle3Config) else 0.0)
         self.block_manager = BlockManager(kv_spec.num_blocks, block_size, num_replicas=num_replicas,
                                           enable_prefix_caching=config.enable_prefix_caching)
         self.speculator = None if spec is None else Speculator(
@@ -160,8 +161,11 @@ class Engine:
             finished = self.outputs.process(batch, result)
         else:
             finished, accepted = self.outputs.process_verified(batch, result, drafts)
-            for seq, d, a in zip(batch.seqs, drafts, accepted):
-                self.speculator.record_acceptance(seq, len(d), a, a + 1, self.policy_version)
+            if result.verified:
+                for seq, d, a in zip(batch.seqs, drafts, accepted):
+                    self.speculator.record_acceptance(seq, len(d), a, a + 1, self.policy_version)
+            else:  # the head was unsure: the device decoded this step plainly
+                self.speculator.record_unsure(batch.seqs)
         if self.speculator is not None and not batch.is_prefill:
             self.speculator.record_step(len(batch.seqs), drafts is not None, time.perf_counter() - start,
                                         float(np.mean(batch.num_new_tokens)))

@@ -36,6 +36,9 @@ class SpecStats:
 
     num_draft_steps: int = 0
     num_disabled_steps: int = 0  # decode steps where speculation was judged slower and skipped
+    # draft steps that decoded plainly because the EAGLE-3 head was unsure (`Eagle3Config.min_confidence`);
+    # they count in num_draft_steps, not in the token counters below
+    num_unsure_steps: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     emitted_tokens: int = 0  # tokens produced by draft steps (accepted + one target token per sequence)
@@ -144,6 +147,13 @@ class Speculator:
         seconds /= num_steps
         old = self._seconds.get(key)
         self._seconds[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+
+    def record_unsure(self, seqs: list[Sequence]) -> None:
+        """A draft step that decoded plainly: one token per sequence, for the estimates that judge drafting."""
+        self.stats.num_unsure_steps += 1
+        for seq in seqs:
+            own = seq.tokens_per_draft_step
+            seq.tokens_per_draft_step = 1.0 if own is None else (1 - EMA) * own + EMA * 1.0
 
     def record_acceptance(self, seq: Sequence, drafted: int, accepted: int, emitted: int, version: int | None) -> None:
         """Count one sequence's verification; its own estimate follows what it emitted."""

@@ -66,6 +66,11 @@ class BucketConfig:
             exact = {s * self.verify_rows for s in self.seq_buckets if s * self.verify_rows <= self.max_num_batched_tokens}
         return tuple(sorted(set(self.seq_buckets) | set(self.token_buckets) | exact))
 
+    def verify_plain_rows(self, num_tokens: int) -> int:
+        """Sequences per replica that a verification step of `num_tokens` rows can decode plainly
+        instead (`Eagle3Config.min_confidence`): those whose full drafts fill the bucket."""
+        return min(pick(self.seq_buckets, max(1, num_tokens // max(1, self.verify_rows))), self.prefill_rows(num_tokens))
+
     def prefill_rows(self, num_tokens: int) -> int:
         """Sampling rows of a prefill step of `num_tokens` (padded) tokens."""
         return pick(self.seq_buckets, min(self.max_num_seqs, num_tokens))

@@ -45,6 +45,7 @@ class StepResult:
     token_top_logprobs: np.ndarray | None = None  # [T, K]
     steps: int = 1  # rows per sequence: a multi-step decode call's row i * steps + t is sequence i's step t
     draft_ids: np.ndarray | None = None  # [S, k] drafts made on the device (`StepBatch.draft_slots`)
+    verified: bool = True  # False: the head was unsure and the step decoded plainly (drafts all -1)
 
 
 def _sampled_rows(out: SamplerOutput, rows: np.ndarray, num_top: int) -> StepResult:
@@ -58,7 +59,13 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, kv_spec: KVCacheSpec, buckets: BucketConfig,
                  *, max_logprobs: int = 20, mesh: Mesh | None = None, attention_impl: str = "jax",
-                 draft_head: Eagle3Head | None = None, num_scheduler_steps: int = 1) -> None:
+                 draft_head: Eagle3Head | None = None, num_scheduler_steps: int = 1,
+                 draft_min_confidence: float = 0.0) -> None:
+        """`draft_min_confidence > 0`: a verification step whose sequences' first drafts all have a lower
+        probability under the head decodes plainly in the same program (`Eagle3Drafter.verify`)."""
+        if not 0.0 <= draft_min_confidence <= 1.0:
+            raise ValueError(f"draft_min_confidence must be in [0, 1], got {draft_min_confidence}")
+        self.draft_min_confidence = draft_min_confidence
         if num_scheduler_steps < 1 or (num_scheduler_steps > 1 and draft_head is not None):
             raise ValueError(f"num_scheduler_steps must be >= 1 and 1 with a draft head, got {num_scheduler_steps}")
         self.num_scheduler_steps = num_scheduler_steps
@@ -156,10 +163,17 @@ class ModelRunner:
                              "prompt logprobs in the step")
         if int(np.max(batch.draft_slots, initial=-1)) >= num_drafts:
             raise ValueError(f"a token asks for draft {int(np.max(batch.draft_slots))}; the head drafts {num_drafts}")
-        self.kv_caches, out, drafts = self.drafter.verify(leaves, self.kv_caches, device_batch, num_top=num_top,
-                                                          num_steps=num_drafts)
-        out, drafts = jax.device_get((out, drafts))
-        return dataclasses.replace(_sampled_rows(out, rows, batch.num_top_logprobs),
+        plain_rows, floor = 0, 0.0
+        if self.draft_min_confidence > 0:
+            plain_rows = self.buckets.verify_plain_rows(device_batch.logits_indices.shape[1])
+            replicas = batch.replicas if batch.replicas is not None else np.zeros(len(batch.q_lens), np.int64)
+            if np.bincount(replicas).max() <= plain_rows:  # else this step always verifies
+                floor = self.draft_min_confidence
+        self.kv_caches, out, drafts, verified = self.drafter.verify(
+            leaves, self.kv_caches, device_batch, num_top=num_top, num_steps=num_drafts, plain_rows=plain_rows,
+            min_confidence=floor)
+        out, drafts, verified = jax.device_get((out, drafts, verified))
+        return dataclasses.replace(_sampled_rows(out, rows, batch.num_top_logprobs), verified=bool(verified),
                                    draft_ids=np.asarray(drafts).reshape(-1, num_drafts)[seqs])
 
     def _leaves(self) -> tuple[list[Array], list[Array]]:

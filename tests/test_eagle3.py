@@ -450,3 +450,36 @@ def test_place_drafts_matches_host_built_verification(num_replicas: int) -> None
     np.testing.assert_array_equal(np.asarray(got.token_ids), want.token_ids)
     np.testing.assert_array_equal(np.asarray(got.sampling.draft_ids), want.sampling.draft_ids)
     assert (placeholders.token_ids == -1).sum() == sum(limits)  # the host really left them to the device
+
+
+def test_unsure_head_decodes_plainly(model, plain: Engine, trained_head_dir) -> None:
+    """`min_confidence`: steps where every first draft is below it decode plainly inside the verification
+    program. Outputs and logprobs equal plain decoding at batch sizes 1 and 8, drafts of later steps
+    still equal the numpy head (the plain branch fills the head's cache), nothing compiles after
+    warmup; under rejection sampling with min_confidence=1.0 (nearly every step plain) greedy is exact."""
+    e = Engine.from_model(model, ByteTokenizer(), **ENGINE_KW, speculative=Eagle3Config(
+        trained_head_dir, k=K, auto_disable=False, min_confidence=0.6))
+    e.warmup()
+    log = record_drafts(e)
+    for case in ("greedy", "t1.0", "logprobs_processed"):
+        for batch_size in (1, 8):
+            prompts = prompts_for(700 + batch_size, batch_size)
+            params = [SamplingParams(seed=i, max_tokens=24, ignore_eos=True, **CASES[case]) for i in range(batch_size)]
+            expected = plain.generate(prompts, params)
+            before = num_compilations()
+            assert_same(expected, e.generate(prompts, params), logprobs="logprobs" in case)
+            assert num_compilations() == before
+    s = e.stats().speculative
+    assert 0 < s.num_unsure_steps < s.num_draft_steps and s.accepted_tokens > 0, s
+    verified = [(h, d) for h, d in log if min(d) >= 0]
+    assert 0 < len(verified) < len(log)
+    head = e.runner.drafter.head
+    for history, drafts in verified[-6:]:  # late steps: their histories went through unsure steps
+        assert drafts == reference_drafts(head, model, history, K)[0]
+    rejection = Engine.from_model(model, ByteTokenizer(), **ENGINE_KW, speculative=Eagle3Config(
+        trained_head_dir, k=K, auto_disable=False, verification="rejection", min_confidence=1.0))
+    prompts = prompts_for(11, 6)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, logprobs=1, ignore_eos=True)
+    assert_same(plain.generate(prompts, greedy), rejection.generate(prompts, greedy), logprobs=True)
+    s = rejection.stats().speculative
+    assert s.num_unsure_steps >= 0.9 * s.num_draft_steps, s  # a float32 probability of exactly 1.0 verifies

@@ -234,31 +234,40 @@ def fill_cache(head: Eagle3Head, target: LlamaForCausalLM, kv: Float[Array, "2 H
     return write_kv(kv, k, v, prev_slots), flat.reshape(hidden.shape)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DraftChain:
+    """Where each sequence's drafting stands after the head's first step (one replica)."""
+
+    g: Float[Array, "S H"]  # that step's layer output: the next step's g
+    token_ids: Int[Array, "S"]  # its draft (target id): the next step's input token
+    confidence: Float[Array, "S"]  # the head's probability of that draft (0 at padding rows)
+
+
 def draft_paged(head: Eagle3Head, target: LlamaForCausalLM, kv: Float[Array, "2 Hkv P page D"],
                 hidden: Float[Array, "P page H"], last_token_ids: Int[Array, "S"], positions: Int[Array, "S"],
-                page_indices: Int[Array, "S W"], num_seqs: Int[Array, "1"], *, num_steps: int
-                ) -> tuple[Float[Array, "2 Hkv P page D"], Int[Array, "S K"]]:
+                page_indices: Int[Array, "S W"], num_seqs: Int[Array, "1"], *, num_steps: int,
+                chain: DraftChain | None = None) -> tuple[Float[Array, "2 Hkv P page D"], Int[Array, "S K"], DraftChain]:
     """`num_steps` greedy drafts per sequence (one replica), as target ids `[S, num_steps]`.
 
     `last_token_ids[s]` is the token the coming target step feeds at position c, `positions[s]` is
     c - 1: step j runs the head at c - 1 + j (step 0 reads g_{c-1} from the cache, later steps the
     previous step's output) and writes its K/V there; the target step's `fill_cache` rewrites them.
+    `chain`: continue after step 0 (from an earlier call with `num_steps=1`), drafting steps
+    1..num_steps. Returns the cache, the drafts and the chain after step 0.
     """
     num_pages, page, width = hidden.shape
     num_slots = num_pages * page
     num_rows = page_indices.shape[0]
     valid = jnp.arange(num_rows) < num_seqs[0]
     attn = head.midlayer.self_attn
+    cu_q_lens = jnp.arange(num_rows + 1, dtype=jnp.int32)
 
     def slot_of(pos: Array) -> Array:
         blk = jnp.take_along_axis(page_indices, (pos // page)[:, None], axis=1, mode="clip")[:, 0]
         return jnp.where(valid & (pos // page < page_indices.shape[1]), blk * page + pos % page, num_slots)
 
-    g0 = jnp.take(hidden.reshape(num_slots, width), slot_of(positions), axis=0, mode="clip")
-    cu_q_lens = jnp.arange(num_rows + 1, dtype=jnp.int32)
-
-    def step(carry: tuple[Array, Array, Array], j: Array) -> tuple[tuple[Array, Array, Array], Array]:
-        kv, g, tok = carry
+    def step(kv: Array, g: Array, tok: Array, j: Array | int) -> tuple[Array, Array, Array]:
         pos = positions + j
         feats = head.midlayer.features(head.embed(target, tok), g)
         k, v = attn.kv(feats, pos)
@@ -266,11 +275,28 @@ def draft_paged(head: Eagle3Head, target: LlamaForCausalLM, kv: Float[Array, "2 
         o = ragged_paged_attention(attn.q(feats, pos), kv, jnp.where(valid, pos + 1, 0), page_indices, cu_q_lens,
                                    num_seqs, sm_scale=attn.head_dim ** -0.5, max_q_len=1)
         x = head.midlayer.finish(g, o)
-        nxt = head.greedy_target_ids(head.logits(target, x))
+        return kv, x, head.logits(target, x)
+
+    drafts = []
+    if chain is None:
+        g0 = jnp.take(hidden.reshape(num_slots, width), slot_of(positions), axis=0, mode="clip")
+        kv, x, logits = step(kv, g0, last_token_ids, 0)
+        first = head.greedy_target_ids(logits)
+        top = jnp.exp(jnp.max(logits, axis=-1) - jax.nn.logsumexp(logits, axis=-1))
+        chain = DraftChain(x, first, jnp.where(valid, top, 0.0))
+        drafts.append(first[:, None])
+        num_steps -= 1
+
+    def scan_step(carry: tuple[Array, Array, Array], j: Array) -> tuple[tuple[Array, Array, Array], Array]:
+        kv, x, logits = step(*carry, j)
+        nxt = head.greedy_target_ids(logits)
         return (kv, x, nxt), nxt
 
-    (kv, _, _), drafts = jax.lax.scan(step, (kv, g0, last_token_ids), jnp.arange(num_steps, dtype=jnp.int32))
-    return kv, drafts.T
+    if num_steps > 0:
+        (kv, _, _), more = jax.lax.scan(scan_step, (kv, chain.g, chain.token_ids),
+                                        jnp.arange(1, num_steps + 1, dtype=jnp.int32))
+        drafts.append(more.T)
+    return kv, jnp.concatenate(drafts, axis=1), chain
 
 
 def dense_steps(head: Eagle3Head, target: LlamaForCausalLM, g: Float[Array, "B S H"],

@@ -16,6 +16,10 @@ class Eagle3Config:
     auto_disable: bool = True  # skip drafting in steps where measured times say plain decoding is faster
     verification: str = "exact"  # as in NgramConfig: "exact" replay or "rejection" sampling
     aux_layer_ids: tuple[int, ...] | None = None  # override the checkpoint's (default (2, L // 2, L - 3))
+    # Skip verification in a step where the head's first draft has a probability below this for every
+    # sequence: that step decodes plainly in the same program (0 = always verify). Pays where a
+    # verification step costs much more than a plain one (XLA:CPU at small batches, README).
+    min_confidence: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, str) or not self.path:
@@ -24,5 +28,7 @@ class Eagle3Config:
             raise ValueError(f"Eagle3Config.k must be >= 1, got {self.k}")
         if self.verification not in VERIFICATION_MODES:
             raise ValueError(f"Eagle3Config.verification must be 'exact' or 'rejection', got {self.verification!r}")
+        if not 0.0 <= self.min_confidence <= 1.0:
+            raise ValueError(f"Eagle3Config.min_confidence is a probability in [0, 1], got {self.min_confidence!r}")
         if self.aux_layer_ids is not None and len(self.aux_layer_ids) != 3:
             raise ValueError(f"Eagle3Config.aux_layer_ids needs 3 layer ids, got {self.aux_layer_ids!r}")

@@ -22,16 +22,17 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jax.tree_util import PyTreeDef
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from runner.kv_cache import KVCacheSpec
 from runner.models.llama import KVCaches
 from runner.sampler import SamplerOutput
 from runner.sharding import kv_cache_sharding
-from runner.spec_decode.eagle3 import DraftCache, Eagle3Head, draft_paged, fill_cache
+from runner.spec_decode.eagle3 import DraftCache, DraftChain, Eagle3Head, draft_paged, fill_cache
 from runner.step_inputs import DeviceBatch
 from runner.step_program import forward_and_sample
 
@@ -103,39 +104,94 @@ def place_drafts(batch: DeviceBatch, drafts: Int[Array, "R S K"]) -> DeviceBatch
     return dataclasses.replace(batch, token_ids=token_ids, sampling=sampling)
 
 
+def first_token_batch(batch: DeviceBatch, rows: int, num_slots: int) -> DeviceBatch:
+    """The plain decode step inside a verification batch: each sequence's first token (the one it feeds,
+    its drafts dropped), `rows` sequences per replica; `num_slots` (out of range) drops padding writes."""
+    md = batch.md
+    first = md.cu_q_lens[:, :rows]  # [R, rows]
+    valid = jnp.arange(rows)[None, :] < md.num_seqs
+    at = lambda x: jnp.take_along_axis(x, first, axis=1, mode="clip")  # noqa: E731
+    drop = lambda x: jnp.where(valid, x, num_slots)  # noqa: E731
+    q_lens = md.cu_q_lens[:, 1:rows + 1] - first
+    plain_md = dataclasses.replace(
+        md, slot_mapping=drop(at(md.slot_mapping)), kv_lens=jnp.where(valid, md.kv_lens[:, :rows] - q_lens + 1, 0),
+        page_indices=md.page_indices[:, :rows], cu_q_lens=jnp.minimum(jnp.arange(rows + 1)[None, :], md.num_seqs),
+        max_q_len=1)
+    sampling = jax.tree.map(jax.vmap(lambda x, i: jnp.take(x, i, axis=0, mode="clip")), batch.sampling,
+                            jax.tree.map(lambda _: first, batch.sampling))
+    if sampling.draft_ids is not None:  # a plain draw, whatever the verification mode
+        sampling = dataclasses.replace(sampling, draft_ids=jnp.full_like(sampling.draft_ids, -1))
+    return DeviceBatch(token_ids=at(batch.token_ids), positions=at(batch.positions), md=plain_md,
+                       logits_indices=jnp.broadcast_to(jnp.arange(rows, dtype=jnp.int32), first.shape),
+                       sampling=sampling, mode=batch.mode, target_ids=jnp.zeros_like(first),
+                       prev_slot_mapping=drop(at(batch.prev_slot_mapping)))
+
+
 def _draft_verify(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: TreeDefs, shardings: CacheShardings | None,
                   kv_sharding: NamedSharding | None, head_params: list[Array], head_rest: list[Array],
                   params: list[Array], rest: list[Array], kv_caches: KVCaches, cache: DraftCache, batch: DeviceBatch,
-                  *, num_top: int, aux_layers: tuple[int, ...], num_steps: int
-                  ) -> tuple[KVCaches, DraftCache, SamplerOutput, Int[Array, "R S K"]]:
+                  min_confidence: Float[Array, ""], *, num_top: int, aux_layers: tuple[int, ...], num_steps: int,
+                  plain_rows: int) -> tuple[KVCaches, DraftCache, SamplerOutput, Int[Array, "R S K"], Bool[Array, ""]]:
     """Draft, verify and fill in one program: the head drafts `num_steps` tokens per sequence from the
     first token each sequence feeds, the drafts take the tokens `batch.draft_slots` names, the target
     verifies them (`runner.step_program`) and the head's cache takes what the target computed.
 
-    One program instead of three saves two calls and a round trip to the host per step (a B=1 step's
-    host work is a large part of its time on CPU).
+    `plain_rows > 0`: when the head's first draft has probability below `min_confidence` for every
+    sequence, the step decodes plainly instead (`first_token_batch`, at most `plain_rows` sequences per
+    replica): the sampled tokens land in each sequence's first row, the drafts come back as -1 and the
+    returned flag is False. One program instead of three saves two calls and a round trip to the host
+    per step (a B=1 step's host work is a large part of its time on CPU).
     """
     head = _merge(head_gd, defs[0], defs[1], head_params, head_rest)
     target = _merge(target_gd, defs[2], defs[3], params, rest)
     md = batch.md
     num_replicas, on_mesh = cache.kv.shape[0], shardings is not None
 
-    def draft(kv: Array, hid: Array, token_ids: Array, positions: Array, cu_q_lens: Array, pages: Array,
-              n: Array) -> tuple[Array, Array]:
+    def draft(n: int, kv: Array, hid: Array, token_ids: Array, positions: Array, cu_q_lens: Array, pages: Array,
+              num_seqs: Array, chain: DraftChain | None = None) -> tuple[Array, Array, DraftChain]:
         first = cu_q_lens[:-1]  # each sequence's first token: the one it feeds at c (its drafts follow)
         last = jnp.take(token_ids, first, mode="clip")
-        return draft_paged(head, target, kv, hid, last, jnp.take(positions, first, mode="clip") - 1, pages, n,
-                           num_steps=num_steps)
+        return draft_paged(head, target, kv, hid, last, jnp.take(positions, first, mode="clip") - 1, pages, num_seqs,
+                           num_steps=n, chain=chain)
 
-    head_kv, drafts = _per_replica(draft, num_replicas, on_mesh, cache.kv, cache.hidden, batch.token_ids,
-                                   batch.positions, md.cu_q_lens, md.page_indices, md.num_seqs)
-    batch = place_drafts(batch, drafts)
-    kv_caches, out, _, aux = forward_and_sample(target, kv_caches, batch, num_top=num_top, token_logprobs=False,
-                                                 aux_layers=aux_layers, kv_sharding=kv_sharding)
-    fn = functools.partial(fill_cache, head, target)
-    head_kv, hidden = _per_replica(fn, num_replicas, on_mesh, head_kv, cache.hidden, aux, batch.token_ids,
-                                   batch.positions, md.slot_mapping, batch.prev_slot_mapping)
-    return kv_caches, _pinned(DraftCache(head_kv, hidden), shardings), out, drafts
+    def step(b: DeviceBatch, kv_caches: KVCaches, head_kv: Array, hidden: Array
+             ) -> tuple[KVCaches, Array, Array, SamplerOutput]:
+        kv_caches, out, _, aux = forward_and_sample(target, kv_caches, b, num_top=num_top, token_logprobs=False,
+                                                     aux_layers=aux_layers, kv_sharding=kv_sharding)
+        fn = functools.partial(fill_cache, head, target)
+        head_kv, hidden = _per_replica(fn, num_replicas, on_mesh, head_kv, hidden, aux, b.token_ids, b.positions,
+                                       b.md.slot_mapping, b.prev_slot_mapping)
+        return kv_caches, head_kv, hidden, out
+
+    args = (cache.hidden, batch.token_ids, batch.positions, md.cu_q_lens, md.page_indices, md.num_seqs)
+    if plain_rows == 0:
+        head_kv, drafts, _ = _per_replica(functools.partial(draft, num_steps), num_replicas, on_mesh, cache.kv, *args)
+        kv_caches, head_kv, hidden, out = step(place_drafts(batch, drafts), kv_caches, head_kv, cache.hidden)
+        return kv_caches, _pinned(DraftCache(head_kv, hidden), shardings), out, drafts, jnp.bool_(True)
+
+    head_kv, first_drafts, chain = _per_replica(functools.partial(draft, 1), num_replicas, on_mesh, cache.kv, *args)
+
+    def verify(kv_caches: KVCaches, head_kv: Array, hidden: Array) -> tuple:
+        drafts = first_drafts
+        if num_steps > 1:
+            head_kv, more, _ = _per_replica(functools.partial(draft, num_steps - 1), num_replicas, on_mesh, head_kv,
+                                            *args, chain)
+            drafts = jnp.concatenate([first_drafts, more], axis=-1)
+        return *step(place_drafts(batch, drafts), kv_caches, head_kv, hidden), drafts
+
+    def plain(kv_caches: KVCaches, head_kv: Array, hidden: Array) -> tuple:
+        num_slots = kv_caches[0].shape[3] * kv_caches[0].shape[4]
+        b = first_token_batch(batch, plain_rows, num_slots)
+        kv_caches, head_kv, hidden, out = step(b, kv_caches, head_kv, hidden)
+        r, n = batch.logits_indices.shape  # the verification's rows: sequence s samples in row cu_q_lens[s]
+        valid = jnp.arange(plain_rows)[None, :] < md.num_seqs
+        rows = jnp.where(valid, jnp.arange(r)[:, None] * n + md.cu_q_lens[:, :plain_rows], r * n).reshape(-1)
+        out = jax.tree.map(lambda x: jnp.zeros((r * n, *x.shape[1:]), x.dtype).at[rows].set(x, mode="drop"), out)
+        return kv_caches, head_kv, hidden, out, jnp.full((*first_drafts.shape[:-1], num_steps), -1, jnp.int32)
+
+    unsure = jnp.max(chain.confidence) < min_confidence
+    kv_caches, head_kv, hidden, out, drafts = jax.lax.cond(unsure, plain, verify, kv_caches, head_kv, cache.hidden)
+    return kv_caches, _pinned(DraftCache(head_kv, hidden), shardings), out, drafts, ~unsure
 
 
 @functools.lru_cache(maxsize=None)
@@ -145,7 +201,7 @@ def _compiled(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: TreeDefs, sh
     by engines."""
     fill = jax.jit(functools.partial(_fill, head_gd, target_gd, defs, shardings), donate_argnums=(4,))
     verify = jax.jit(functools.partial(_draft_verify, head_gd, target_gd, defs, shardings, kv_sharding),
-                     static_argnames=("num_top", "aux_layers", "num_steps"), donate_argnums=(4, 5))
+                     static_argnames=("num_top", "aux_layers", "num_steps", "plain_rows"), donate_argnums=(4, 5))
     return fill, verify
 
 
@@ -184,14 +240,16 @@ class Eagle3Drafter:
         self.cache = self._fill_fn(*self._head_leaves(), *target, self.cache, aux, batch)
 
     def verify(self, target: TargetLeaves, kv_caches: KVCaches, batch: DeviceBatch, *, num_top: int,
-               num_steps: int) -> tuple[KVCaches, SamplerOutput, Int[Array, "R S K"]]:
+               num_steps: int, plain_rows: int = 0, min_confidence: float = 0.0
+               ) -> tuple[KVCaches, SamplerOutput, Int[Array, "R S K"], Bool[Array, ""]]:
         """Draft `num_steps` tokens per sequence into `batch` (`DeviceBatch.draft_slots`), verify them with
         the target and fill the head's cache, in one program; returns the target's caches, what was
-        sampled, and the drafts per attention row (device arrays)."""
-        kv_caches, self.cache, out, drafts = self._verify_fn(
-            *self._head_leaves(), *target, kv_caches, self.cache, batch, num_top=num_top, aux_layers=self.aux_layers,
-            num_steps=num_steps)
-        return kv_caches, out, drafts
+        sampled, the drafts per attention row and whether it verified (device arrays). `plain_rows > 0`
+        decodes plainly when every first draft's probability is below `min_confidence` (`_draft_verify`)."""
+        kv_caches, self.cache, out, drafts, verified = self._verify_fn(
+            *self._head_leaves(), *target, kv_caches, self.cache, batch, np.float32(min_confidence), num_top=num_top,
+            aux_layers=self.aux_layers, num_steps=num_steps, plain_rows=plain_rows)
+        return kv_caches, out, drafts, verified
 
     def _head_leaves(self) -> tuple[list[Array], list[Array]]:
         """The head's parameters as flat leaf lists, taken per call (in-place syncs are seen)."""
