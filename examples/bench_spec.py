@@ -86,8 +86,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--eagle", default=None, help="draft with this EAGLE-3 head directory instead of n-gram lookup")
     ap.add_argument("--workload", choices=("r1", "r3"), default=None, help="prompts (default: r3; r1 with --eagle)")
     ap.add_argument("--sampling", action="store_true", help="also run temperature 1.0 (seed 0)")
-    ap.add_argument("--min-confidence", type=float, default=0.0,
-                    help="EAGLE-3: decode plainly in steps where every first draft's probability is below this")
+    ap.add_argument("--min-confidence", type=float, default=None,
+                    help="EAGLE-3: decode plainly in steps where every first draft's probability is below this "
+                         "(default: the engine's, 0.5 on CPU; 0 = always verify)")
     ap.add_argument("--num-prompts", type=int, default=None,
                     help="prompts i = 0..N-1 per run (default B); with N > B they queue and run B at a time "
                          "(max_num_seqs = B), e.g. --batch-sizes 1 --num-prompts 8: eight prompts each at B = 1")
@@ -131,6 +132,8 @@ def main() -> None:
     r1 = args.workload == "r1"
     modes = [("greedy", dict(temperature=0.0))] + ([("t1.0", dict(temperature=1.0, seed=0))] if args.sampling else [])
     drafter = f"EAGLE-3 {args.eagle}" if args.eagle else "n-gram"
+    if args.eagle:
+        args.min_confidence = spec.runner.draft_min_confidence  # as resolved for this device
     unsure = f", min_confidence={args.min_confidence}" if args.eagle else ""
     print(f"{args.workload.upper()} speculative decoding ({drafter}): k={args.k}{unsure}, auto_disable={spec_cfg.auto_disable}, "
           f"chat={not args.no_chat and not r1}, {args.max_tokens} new tokens, median of {args.repeats}; "
