@@ -154,43 +154,41 @@ def _draft_verify(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: TreeDefs
         return draft_paged(head, target, kv, hid, last, jnp.take(positions, first, mode="clip") - 1, pages, num_seqs,
                            num_steps=n, chain=chain)
 
-    def step(b: DeviceBatch, kv_caches: KVCaches, head_kv: Array, hidden: Array
-             ) -> tuple[KVCaches, Array, Array, SamplerOutput]:
-        kv_caches, out, _, aux = forward_and_sample(target, kv_caches, b, num_top=num_top, token_logprobs=False,
+    head_kv, drafts, chain = _per_replica(functools.partial(draft, num_steps), num_replicas, on_mesh, cache.kv,
+                                          cache.hidden, batch.token_ids, batch.positions, md.cu_q_lens,
+                                          md.page_indices, md.num_seqs)
+    placed = place_drafts(batch, drafts)
+
+    def verify(kv_caches: KVCaches) -> tuple:
+        kv_caches, out, _, aux = forward_and_sample(target, kv_caches, placed, num_top=num_top, token_logprobs=False,
                                                      aux_layers=aux_layers, kv_sharding=kv_sharding)
-        fn = functools.partial(fill_cache, head, target)
-        head_kv, hidden = _per_replica(fn, num_replicas, on_mesh, head_kv, hidden, aux, b.token_ids, b.positions,
-                                       b.md.slot_mapping, b.prev_slot_mapping)
-        return kv_caches, head_kv, hidden, out
+        return kv_caches, out, aux, placed.md.slot_mapping, placed.prev_slot_mapping
 
-    args = (cache.hidden, batch.token_ids, batch.positions, md.cu_q_lens, md.page_indices, md.num_seqs)
-    if plain_rows == 0:
-        head_kv, drafts, _ = _per_replica(functools.partial(draft, num_steps), num_replicas, on_mesh, cache.kv, *args)
-        kv_caches, head_kv, hidden, out = step(place_drafts(batch, drafts), kv_caches, head_kv, cache.hidden)
-        return kv_caches, _pinned(DraftCache(head_kv, hidden), shardings), out, drafts, jnp.bool_(True)
-
-    head_kv, first_drafts, chain = _per_replica(functools.partial(draft, 1), num_replicas, on_mesh, cache.kv, *args)
-
-    def verify(kv_caches: KVCaches, head_kv: Array, hidden: Array) -> tuple:
-        drafts = first_drafts
-        if num_steps > 1:
-            head_kv, more, _ = _per_replica(functools.partial(draft, num_steps - 1), num_replicas, on_mesh, head_kv,
-                                            *args, chain)
-            drafts = jnp.concatenate([first_drafts, more], axis=-1)
-        return *step(place_drafts(batch, drafts), kv_caches, head_kv, hidden), drafts
-
-    def plain(kv_caches: KVCaches, head_kv: Array, hidden: Array) -> tuple:
+    def plain(kv_caches: KVCaches) -> tuple:
+        """Each sequence's first token alone; outputs laid out as the verification's (its first row / token)."""
         num_slots = kv_caches[0].shape[3] * kv_caches[0].shape[4]
         b = first_token_batch(batch, plain_rows, num_slots)
-        kv_caches, head_kv, hidden, out = step(b, kv_caches, head_kv, hidden)
-        r, n = batch.logits_indices.shape  # the verification's rows: sequence s samples in row cu_q_lens[s]
+        kv_caches, out, _, aux = forward_and_sample(target, kv_caches, b, num_top=num_top, token_logprobs=False,
+                                                     aux_layers=aux_layers, kv_sharding=kv_sharding)
+        r, n = batch.logits_indices.shape  # rows = tokens: sequence s samples in row / token cu_q_lens[s]
         valid = jnp.arange(plain_rows)[None, :] < md.num_seqs
-        rows = jnp.where(valid, jnp.arange(r)[:, None] * n + md.cu_q_lens[:, :plain_rows], r * n).reshape(-1)
-        out = jax.tree.map(lambda x: jnp.zeros((r * n, *x.shape[1:]), x.dtype).at[rows].set(x, mode="drop"), out)
-        return kv_caches, head_kv, hidden, out, jnp.full((*first_drafts.shape[:-1], num_steps), -1, jnp.int32)
+        at = jnp.where(valid, jnp.arange(r)[:, None] * n + md.cu_q_lens[:, :plain_rows], r * n).reshape(-1)
+        spread = lambda x, fill: jnp.full((r * n, *x.shape[1:]), fill, x.dtype).at[at].set(x, mode="drop")  # noqa: E731
+        flat = lambda x: x.reshape(r * plain_rows, *x.shape[2:])  # noqa: E731
+        out = jax.tree.map(lambda x: spread(x, 0), out)  # already [R * rows, ...]
+        slots = [spread(flat(x), num_slots).reshape(r, n) for x in (b.md.slot_mapping, b.prev_slot_mapping)]
+        return kv_caches, out, spread(flat(aux), 0).reshape(r, n, aux.shape[-1]), *slots
 
-    unsure = jnp.max(chain.confidence) < min_confidence
-    kv_caches, head_kv, hidden, out, drafts = jax.lax.cond(unsure, plain, verify, kv_caches, head_kv, cache.hidden)
+    unsure = jnp.max(chain.confidence) < min_confidence if plain_rows else jnp.bool_(False)
+    if plain_rows:
+        kv_caches, out, aux, slots, prev_slots = jax.lax.cond(unsure, plain, verify, kv_caches)
+    else:
+        kv_caches, out, aux, slots, prev_slots = verify(kv_caches)
+    # the head's fill after the branch: caches passed through a cond came back as copies (XLA:CPU)
+    fn = functools.partial(fill_cache, head, target)
+    head_kv, hidden = _per_replica(fn, num_replicas, on_mesh, head_kv, cache.hidden, aux, placed.token_ids,
+                                   placed.positions, slots, prev_slots)
+    drafts = jnp.where(unsure, -1, drafts)
     return kv_caches, _pinned(DraftCache(head_kv, hidden), shardings), out, drafts, ~unsure
 
 
