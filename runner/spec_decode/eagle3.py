@@ -246,15 +246,14 @@ class DraftChain:
 
 def draft_paged(head: Eagle3Head, target: LlamaForCausalLM, kv: Float[Array, "2 Hkv P page D"],
                 hidden: Float[Array, "P page H"], last_token_ids: Int[Array, "S"], positions: Int[Array, "S"],
-                page_indices: Int[Array, "S W"], num_seqs: Int[Array, "1"], *, num_steps: int,
-                chain: DraftChain | None = None) -> tuple[Float[Array, "2 Hkv P page D"], Int[Array, "S K"], DraftChain]:
+                page_indices: Int[Array, "S W"], num_seqs: Int[Array, "1"], *, num_steps: int
+                ) -> tuple[Float[Array, "2 Hkv P page D"], Int[Array, "S K"], DraftChain]:
     """`num_steps` greedy drafts per sequence (one replica), as target ids `[S, num_steps]`.
 
     `last_token_ids[s]` is the token the coming target step feeds at position c, `positions[s]` is
     c - 1: step j runs the head at c - 1 + j (step 0 reads g_{c-1} from the cache, later steps the
     previous step's output) and writes its K/V there; the target step's `fill_cache` rewrites them.
-    `chain`: continue after step 0 (from an earlier call with `num_steps=1`), drafting steps
-    1..num_steps. Returns the cache, the drafts and the chain after step 0.
+    Returns the cache, the drafts and the chain after step 0 (its `confidence` decides unsure steps).
     """
     num_pages, page, width = hidden.shape
     num_slots = num_pages * page
@@ -277,24 +276,21 @@ def draft_paged(head: Eagle3Head, target: LlamaForCausalLM, kv: Float[Array, "2 
         x = head.midlayer.finish(g, o)
         return kv, x, head.logits(target, x)
 
-    drafts = []
-    if chain is None:
-        g0 = jnp.take(hidden.reshape(num_slots, width), slot_of(positions), axis=0, mode="clip")
-        kv, x, logits = step(kv, g0, last_token_ids, 0)
-        first = head.greedy_target_ids(logits)
-        top = jnp.exp(jnp.max(logits, axis=-1) - jax.nn.logsumexp(logits, axis=-1))
-        chain = DraftChain(x, first, jnp.where(valid, top, 0.0))
-        drafts.append(first[:, None])
-        num_steps -= 1
+    g0 = jnp.take(hidden.reshape(num_slots, width), slot_of(positions), axis=0, mode="clip")
+    kv, x, logits = step(kv, g0, last_token_ids, 0)  # step 0 outside the scan: its confidence is kept
+    first = head.greedy_target_ids(logits)
+    top = jnp.exp(jnp.max(logits, axis=-1) - jax.nn.logsumexp(logits, axis=-1))
+    chain = DraftChain(x, first, jnp.where(valid, top, 0.0))
+    drafts = [first[:, None]]
 
     def scan_step(carry: tuple[Array, Array, Array], j: Array) -> tuple[tuple[Array, Array, Array], Array]:
         kv, x, logits = step(*carry, j)
         nxt = head.greedy_target_ids(logits)
         return (kv, x, nxt), nxt
 
-    if num_steps > 0:
+    if num_steps > 1:
         (kv, _, _), more = jax.lax.scan(scan_step, (kv, chain.g, chain.token_ids),
-                                        jnp.arange(1, num_steps + 1, dtype=jnp.int32))
+                                        jnp.arange(1, num_steps, dtype=jnp.int32))
         drafts.append(more.T)
     return kv, jnp.concatenate(drafts, axis=1), chain
 

@@ -147,14 +147,14 @@ def _draft_verify(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: TreeDefs
     md = batch.md
     num_replicas, on_mesh = cache.kv.shape[0], shardings is not None
 
-    def draft(n: int, kv: Array, hid: Array, token_ids: Array, positions: Array, cu_q_lens: Array, pages: Array,
-              num_seqs: Array, chain: DraftChain | None = None) -> tuple[Array, Array, DraftChain]:
+    def draft(kv: Array, hid: Array, token_ids: Array, positions: Array, cu_q_lens: Array, pages: Array,
+              num_seqs: Array) -> tuple[Array, Array, DraftChain]:
         first = cu_q_lens[:-1]  # each sequence's first token: the one it feeds at c (its drafts follow)
         last = jnp.take(token_ids, first, mode="clip")
         return draft_paged(head, target, kv, hid, last, jnp.take(positions, first, mode="clip") - 1, pages, num_seqs,
-                           num_steps=n, chain=chain)
+                           num_steps=num_steps)
 
-    head_kv, drafts, chain = _per_replica(functools.partial(draft, num_steps), num_replicas, on_mesh, cache.kv,
+    head_kv, drafts, chain = _per_replica(draft, num_replicas, on_mesh, cache.kv,
                                           cache.hidden, batch.token_ids, batch.positions, md.cu_q_lens,
                                           md.page_indices, md.num_seqs)
     placed = place_drafts(batch, drafts)
