@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 VERIFICATION_MODES = ("exact", "rejection")
-CPU_MIN_CONFIDENCE = 0.5  # R1 prompts 0..7 at B=1, 2-core CPU, k=3: 1.10x at 0, 1.16x at 0.3, 1.19x at 0.5 (README)
+CPU_MIN_CONFIDENCE = 0.5  # R1 prompts 0..7, B=1, k=3, slow hour: 1.10x at 0, 1.19x at 0.5; faster hour 1.01x vs 0.99x (README)
 
 
 @dataclasses.dataclass(frozen=True)
