@@ -75,7 +75,7 @@ class Engine:
         self.runner = ModelRunner(model, kv_spec, buckets, max_logprobs=config.max_logprobs, mesh=device_mesh,
                                   attention_impl=attention_impl, draft_head=draft_head,
                                   num_scheduler_steps=config.num_scheduler_steps,
-                                  draft_min_confidence=spec.resolved_min_confidence(device_mesh.devices.flat[0].platform)
+                                  draft_min_confidence=spec.min_confidence
                                   if isinstance(spec, Eagle3Config) else 0.0)
         self.block_manager = BlockManager(kv_spec.num_blocks, block_size, num_replicas=num_replicas,
                                           enable_prefix_caching=config.enable_prefix_caching)
@@ -169,7 +169,7 @@ class Engine:
                 self.speculator.record_unsure(batch.seqs)
         if self.speculator is not None and not batch.is_prefill:
             self.speculator.record_step(len(batch.seqs), drafts is not None, time.perf_counter() - start,
-                                        float(np.mean(batch.num_new_tokens)))
+                                        float(np.mean(batch.num_new_tokens)), verified=result.verified)
         self.stats_.record_step(batch)
         return finished
 

@@ -10,9 +10,9 @@ multi-step call: the time per decode step is what is compared).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 
@@ -24,8 +24,11 @@ from runner.spec_decode.ngram import NgramConfig, propose_batch
 
 # (decode batch, per-sequence cap on drafted tokens) -> drafts per sequence
 DraftFn = Callable[[list[Sequence], list[int]], list[np.ndarray]]
+K = TypeVar("K")
 
-EMA = 0.2
+EMA = 0.2  # weight of a sequence's latest verification step in its own estimate
+POPULATION_EMA = 0.05  # weight of one (sequence, verification step) in the population's mean
+STALE_DECAY = 1 / 8  # per skipped step, how far a sequence's estimate moves back towards the population's
 EXPLORE_EVERY = 16  # decode steps between re-measurements of the losing path (doubling while it keeps losing)
 MAX_EXPLORE_EVERY = 128
 
@@ -66,12 +69,14 @@ class Speculator:
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.stats = SpecStats()
-        self._seconds: dict[tuple[bool, int], float] = collections.defaultdict(float)
+        self._seconds: dict[tuple[bool, int], float] = {}  # (drafted, batch size) -> seconds per step, EMA
+        self.step_seconds: dict[str, float] = {}  # "plain@B" / "verify@B" / "unsure@B" -> seconds per step, EMA
         self._steps_since_probe = 0  # decode steps since the losing path was last re-measured
         self._probe_every = EXPLORE_EVERY
         self._last_choice: bool | None = None
         self._compiles: int | None = None  # compilations before the timed step (a step that compiles is not timed)
         self._probing = False  # the last decision took the losing path to re-measure it
+        self._population_tokens_per_step: float | None = None  # mean over recent (sequence, verification) pairs
 
     def propose(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, list[np.ndarray] | None]:
         """The batch to run and its drafts per sequence (None: decode plainly).
@@ -87,8 +92,10 @@ class Speculator:
         if not self._worth_it(batch.seqs):
             self.stats.num_disabled_steps += 1
             if self._probing:
+                self._forget_stale(batch.seqs, 1)
                 return one_step, None
             self._steps_since_probe += max(batch.num_new_tokens) - 1  # a multi-step call: its steps count
+            self._forget_stale(batch.seqs, max(batch.num_new_tokens))
             return batch, None
         per_seq = min(self.config.k, self.max_num_batched_tokens // len(batch.seqs) - 1)
         if per_seq < 1:
@@ -106,12 +113,30 @@ class Speculator:
         return propose_batch([np.asarray(s.token_ids, np.int32) for s in seqs], limits, self.config)
 
     def expected_tokens_per_step(self, seqs: list[Sequence]) -> float:
-        """Tokens a sequence of `seqs` emits per verification step, on average: each one's own EMA, and
-        1 + k (optimistic) for one not verified yet, so every new sequence's acceptance gets measured
-        (an estimate carried over from earlier sequences, e.g. the tails of the last call, misjudged new ones)."""
-        optimistic = 1.0 + self.config.k
-        return float(np.mean([optimistic if s.tokens_per_draft_step is None else s.tokens_per_draft_step
-                              for s in seqs]))
+        """Tokens a sequence of `seqs` emits per verification step, on average: each one's own estimate,
+        which starts at 1 + k (optimistic: every new sequence drafts and gets measured; an estimate carried
+        over from earlier sequences, e.g. the tails of the last call, misjudged new ones)."""
+        return float(np.mean([self._estimate(s) for s in seqs]))
+
+    def _estimate(self, seq: Sequence) -> float:
+        return 1.0 + self.config.k if seq.tokens_per_draft_step is None else seq.tokens_per_draft_step
+
+    def _record_yield(self, seq: Sequence, emitted: int) -> None:
+        """Move the sequence's own estimate (from 1 + k at first) and the population's mean towards `emitted`."""
+        seq.tokens_per_draft_step = (1 - EMA) * self._estimate(seq) + EMA * emitted
+        pop = self._population_tokens_per_step
+        self._population_tokens_per_step = emitted if pop is None else (1 - POPULATION_EMA) * pop + POPULATION_EMA * emitted
+
+    def _forget_stale(self, seqs: list[Sequence], num_steps: int) -> None:
+        """Steps that do not draft measure nothing: the skipped sequences' estimates drift back towards the
+        population's mean, so a few unlucky verifications do not switch a sequence off for good."""
+        pop = self._population_tokens_per_step
+        if pop is None:
+            return
+        keep = (1 - STALE_DECAY) ** num_steps
+        for seq in seqs:
+            if seq.tokens_per_draft_step is not None:
+                seq.tokens_per_draft_step = pop + keep * (seq.tokens_per_draft_step - pop)
 
     def _worth_it(self, seqs: list[Sequence]) -> bool:
         """Draft this step? Compares tokens per second of both paths for this batch size; every
@@ -139,21 +164,22 @@ class Speculator:
         self._last_choice = choice
         return choice
 
-    def record_step(self, num_seqs: int, drafted: bool, seconds: float, num_steps: float = 1.0) -> None:
-        """Time one decode call; a plain multi-step call of `num_steps` steps counts per step."""
+    def record_step(self, num_seqs: int, drafted: bool, seconds: float, num_steps: float = 1.0,
+                    verified: bool = True) -> None:
+        """Time one decode call; a plain multi-step call of `num_steps` steps counts per step. Draft steps
+        are judged together (`verified` False: the EAGLE-3 head was unsure) and reported apart."""
         if self._compiles is not None and num_compilations() != self._compiles:  # compile time, not step time
             return
-        key = (drafted, num_seqs)
         seconds /= num_steps
-        old = self._seconds.get(key)
-        self._seconds[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+        _ema_into(self._seconds, (drafted, num_seqs), seconds)
+        kind = "plain" if not drafted else "verify" if verified else "unsure"
+        _ema_into(self.step_seconds, f"{kind}@{num_seqs}", seconds)
 
     def record_unsure(self, seqs: list[Sequence]) -> None:
         """A draft step that decoded plainly: one token per sequence, for the estimates that judge drafting."""
         self.stats.num_unsure_steps += 1
         for seq in seqs:
-            own = seq.tokens_per_draft_step
-            seq.tokens_per_draft_step = 1.0 if own is None else (1 - EMA) * own + EMA * 1.0
+            self._record_yield(seq, 1)
 
     def record_acceptance(self, seq: Sequence, drafted: int, accepted: int, emitted: int, version: int | None) -> None:
         """Count one sequence's verification; its own estimate follows what it emitted."""
@@ -165,5 +191,9 @@ class Speculator:
         d, a = s.acceptance_by_version.get(version, (0, 0))
         s.acceptance_by_version[version] = (d + drafted, a + accepted)
         # measured per sequence, so short drafts (few matches, the end of max_tokens) count as they are
-        own = seq.tokens_per_draft_step
-        seq.tokens_per_draft_step = float(emitted) if own is None else (1 - EMA) * own + EMA * emitted
+        self._record_yield(seq, emitted)
+
+
+def _ema_into(averages: dict[K, float], key: K, value: float) -> None:
+    old = averages.get(key)
+    averages[key] = value if old is None else (1 - EMA) * old + EMA * value

@@ -21,7 +21,7 @@ from flax import nnx
 
 from rollout import Engine, NgramConfig, SamplingParams
 from rollout.scheduler import ScheduledBatch
-from rollout.speculator import Speculator
+from rollout.speculator import EMA, Speculator
 from runner.compile_counter import num_compilations
 from runner.spec_decode.ngram import propose_batch, propose_ngram
 from test_engine import ENGINE_KW, MAX_LEN, ByteTokenizer, make_model, rand_prompt
@@ -346,6 +346,33 @@ def test_worth_it_decision() -> None:
     off.record_step(8, False, 0.001)
     assert decisions(off, seqs, 32) == [True] * 32  # auto_disable=False: always draft
 
+
+
+def test_estimates_start_optimistic_and_forget_stale_values() -> None:
+    """A sequence's first verification moves its estimate from 1 + k instead of replacing it, and a
+    sequence switched off by an unlucky streak drifts back to the population's mean while it skips
+    drafting (its estimate is not refreshed then), so drafting resumes within a few steps."""
+    s = Speculator(NgramConfig(k=3, auto_disable=True), max_model_len=128, max_num_batched_tokens=64)
+    s.draft_fn = lambda seqs, limits: [np.array([1], np.int32)] * len(seqs)
+    s.record_step(1, True, 0.016)  # verification 16 ms, plain 10 ms: drafting pays above 1.6 tokens per step
+    s.record_step(1, False, 0.010)
+    [seq] = fake_seqs(1)
+    s.record_acceptance(seq, 3, 0, 1, None)
+    assert seq.tokens_per_draft_step == pytest.approx((1 - EMA) * 4 + EMA * 1)
+    for _ in range(40):
+        s.record_acceptance(seq, 3, 2, 3, None)
+    for _ in range(6):  # unlucky: 3 -> 1.52 tokens per step, below break-even
+        s.record_acceptance(seq, 3, 0, 1, None)
+    assert s.expected_tokens_per_step([seq]) < 1.6
+    drafted = [s.propose(ScheduledBatch(False, [seq], [1]))[1] is not None for _ in range(4)]
+    assert drafted[0] is False and True in drafted, drafted
+    bad = Speculator(NgramConfig(k=3, auto_disable=True), max_model_len=128, max_num_batched_tokens=64)
+    bad.draft_fn = s.draft_fn
+    bad.record_step(1, True, 0.016)
+    bad.record_step(1, False, 0.010)
+    for _ in range(40):  # every sequence's drafts fail: the population's mean stays low, drafting stays off
+        bad.record_acceptance(seq, 3, 0, 1, None)
+    assert [bad.propose(ScheduledBatch(False, [seq], [1]))[1] for _ in range(8)] == [None] * 8
 
 # ---- rejection-sampling verification -------------------------------------------------------------
 
