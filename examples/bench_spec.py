@@ -4,12 +4,14 @@ Prompt i: a fixed paragraph of ~150 tokens followed by `Repeat the paragraph abo
 one user message through the tokenizer's chat template (`--no-chat` sends the raw text instead).
 B in {1, 8} prompts, greedy, 128 new tokens (max_tokens = 128; a sequence may stop at EOS), on the
 embedded SmolLM2-135M-Instruct in float32. The plain engine has its defaults (multi-step decode,
-8 steps per device call; a speculative engine verifies every step, so it runs one). Both engines live in one process and run back to back
-on the same prompts: tokens/s = generated tokens / wall seconds of the whole generate call, median
-of `--repeats` after `engine.warmup()` and one untimed warm-up call; the prefix cache is cleared before every call. Reports the
-ratio, mean tokens emitted per sequence per verification step, the acceptance rate, the share of
-decode steps auto-disable skipped, the share of draft steps an unsure EAGLE-3 head decoded plainly
-(`--min-confidence`), and whether the outputs are identical token for token.
+8 steps per device call; a speculative engine verifies every step, so it runs one). All engines live
+in one process on the same prompts and take turns call by call (plain, then each speculative variant,
+`--repeats` rounds), so a slow spell of the machine hits them alike: tokens/s = generated tokens /
+wall seconds of the whole generate call, median of the rounds, after `engine.warmup()` and one
+untimed warm-up call each; the prefix cache is cleared before every call. Reports, per speculative
+engine, the ratio to plain, mean tokens emitted per sequence per verification step, the acceptance
+rate, the share of decode steps auto-disable skipped, the share of draft steps an unsure EAGLE-3
+head decoded plainly (`--min-confidence`), and whether the outputs are identical token for token.
 
 EAGLE-3 (`--eagle DIR`, a head in the published layout, e.g. from `examples/train_eagle3.py`): the
 drafter is that head instead of n-gram lookup, on workload R1's ordinary prompts (`Question {i}: ...`,
@@ -17,9 +19,10 @@ raw text, 128 new tokens with EOS ignored as in R1; `--workload r3` keeps the R3
 B = 1 and k = 3; `--sampling` adds a temperature-1 run (seed 0).
 
 Run: `python examples/bench_spec.py` (full), `--quick` (smoke test: B = 1, 32 tokens, 1 repeat),
-`--k 4`, `--batch-sizes 1,8`, `--repeats 3`, `--no-auto-disable`, `--json-out out.json`,
-`--eagle examples/results/eagle3-smollm2`, `--min-confidence 0.3`, `--num-prompts 8` (prompts 0..7 queued through a B-sequence
-engine: with B = 1 each runs alone). Ends with one JSON line holding every figure.
+`--k 4`, `--batch-sizes 1,8`, `--repeats 3`, `--no-auto-disable`, `--auto-disable both` (a speculative engine
+with and one without), `--json-out out.json`, `--eagle examples/results/eagle3-smollm2`,
+`--min-confidence 0,0.5` (one speculative engine per value), `--num-prompts 8` (prompts 0..7 queued
+through a B-sequence engine: with B = 1 each runs alone). Ends with one JSON line holding every figure.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
+import statistics  # noqa: E402
 from typing import Any  # noqa: E402
 
 import bench_common as bc  # noqa: E402
@@ -81,14 +85,17 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=None, help="timed calls per run, median reported (default 3)")
     ap.add_argument("--max-tokens", type=int, default=None, help="new tokens per sequence (default 128)")
     ap.add_argument("--no-chat", action="store_true", help="raw prompt text instead of the chat template")
-    ap.add_argument("--no-auto-disable", action="store_true", help="draft on every decode step")
+    ap.add_argument("--no-auto-disable", action="store_true", help="draft on every decode step (= --auto-disable off)")
+    ap.add_argument("--auto-disable", choices=("on", "off", "both"), default=None,
+                    help="skip drafting when measured slower (default on); both: one speculative engine of each")
     ap.add_argument("--json-out", default=None, help="also write the final JSON line to this file")
     ap.add_argument("--eagle", default=None, help="draft with this EAGLE-3 head directory instead of n-gram lookup")
     ap.add_argument("--workload", choices=("r1", "r3"), default=None, help="prompts (default: r3; r1 with --eagle)")
     ap.add_argument("--sampling", action="store_true", help="also run temperature 1.0 (seed 0)")
-    ap.add_argument("--min-confidence", type=float, default=None,
+    ap.add_argument("--min-confidence", default=None,
                     help="EAGLE-3: decode plainly in steps where every first draft's probability is below this "
-                         "(default: the engine's, 0.5 on CPU; 0 = always verify)")
+                         "(default: the engine's, 0 = always verify); comma-separated: one "
+                         "speculative engine per value")
     ap.add_argument("--num-prompts", type=int, default=None,
                     help="prompts i = 0..N-1 per run (default B); with N > B they queue and run B at a time "
                          "(max_num_seqs = B), e.g. --batch-sizes 1 --num-prompts 8: eight prompts each at B = 1")
@@ -101,6 +108,11 @@ def parse_args() -> argparse.Namespace:
     args.max_tokens = args.max_tokens or (32 if args.quick else 128)
     args.workload = args.workload or ("r1" if args.eagle else "r3")
     args.k = args.k or (3 if args.eagle else 4)
+    if args.min_confidence is not None and not args.eagle:
+        ap.error("--min-confidence is an EAGLE-3 setting (--eagle DIR)")
+    args.min_confidence = [None] if args.min_confidence is None else [float(c) for c in args.min_confidence.split(",")]
+    auto = args.auto_disable or ("off" if args.no_auto_disable else "on")
+    args.auto_disable = {"on": [True], "off": [False], "both": [True, False]}[auto]
     return args
 
 
@@ -112,32 +124,51 @@ def first_difference(a: list[list[int]], b: list[list[int]]) -> tuple[int, int] 
     return None if len(a) == len(b) else (min(len(a), len(b)), 0)
 
 
+def spec_counters(before: Any, after: Any, engine: Any) -> dict[str, Any]:
+    """What a speculative engine's timed calls did: tokens per step, acceptance, skipped and unsure shares."""
+    s0, s1 = before.speculative, after.speculative
+    delta = {f.name: getattr(s1, f.name) - getattr(s0, f.name)
+             for f in dataclasses.fields(s1) if f.name != "acceptance_by_version"}
+    steps = delta["num_draft_steps"] + delta["num_disabled_steps"]
+    return dict(
+        mean_accepted_per_step=delta["emitted_tokens"] / delta["num_seq_steps"] if delta["num_seq_steps"] else 0.0,
+        acceptance_rate=delta["accepted_tokens"] / delta["drafted_tokens"] if delta["drafted_tokens"] else 0.0,
+        disabled_share=delta["num_disabled_steps"] / steps if steps else 0.0,
+        unsure_share=delta["num_unsure_steps"] / delta["num_draft_steps"] if delta["num_draft_steps"] else 0.0,
+        spec_counters=delta,
+        step_seconds=dict(sorted(engine.speculator.step_seconds.items())))
+
+
 def main() -> None:
     args = parse_args()
     from rollout import Eagle3Config, Engine, NgramConfig, SamplingParams
 
-    if args.eagle:
-        spec_cfg = Eagle3Config(args.eagle, k=args.k, auto_disable=not args.no_auto_disable,
-                                min_confidence=args.min_confidence)
-    else:
-        spec_cfg = NgramConfig(k=args.k, prompt_lookup_min=1, prompt_lookup_max=3, auto_disable=not args.no_auto_disable)
     kw = dict(max_num_seqs=max(args.batch_sizes), max_model_len=512)
     plain = Engine.from_pretrained(None, **kw)
-    spec = Engine.from_model(plain.model, plain.tokenizer, **kw, speculative=spec_cfg)
+    variants: list[tuple[str, Any]] = []  # (name, speculative engine), all on the plain engine's model
+    for auto in args.auto_disable:
+        for conf in args.min_confidence:
+            cfg = (Eagle3Config(args.eagle, k=args.k, auto_disable=auto,
+                                **({} if conf is None else dict(min_confidence=conf))) if args.eagle else
+                   NgramConfig(k=args.k, prompt_lookup_min=1, prompt_lookup_max=3, auto_disable=auto))
+            engine = Engine.from_model(plain.model, plain.tokenizer, **kw, speculative=cfg)
+            name = "spec" + (f" conf={engine.runner.draft_min_confidence:g}" if args.eagle else "")
+            variants.append((name + ("" if auto else " always"), engine))
     tok = plain.tokenizer
     # Every bucket up front: a verification step's row count follows the draft lengths, so a warm-up
     # call of the same prompts does not compile them all (a compile inside a timed call costs seconds).
-    for engine in (plain, spec):
+    engines = [("plain", plain)] + variants
+    for _, engine in engines:
         engine.warmup()
     r1 = args.workload == "r1"
     modes = [("greedy", dict(temperature=0.0))] + ([("t1.0", dict(temperature=1.0, seed=0))] if args.sampling else [])
     drafter = f"EAGLE-3 {args.eagle}" if args.eagle else "n-gram"
-    if args.eagle:
-        args.min_confidence = spec.runner.draft_min_confidence  # as resolved for this device
-    unsure = f", min_confidence={args.min_confidence}" if args.eagle else ""
-    print(f"{args.workload.upper()} speculative decoding ({drafter}): k={args.k}{unsure}, auto_disable={spec_cfg.auto_disable}, "
-          f"chat={not args.no_chat and not r1}, {args.max_tokens} new tokens, median of {args.repeats}; "
-          f"plain engine: num_scheduler_steps={plain.config.num_scheduler_steps} (its default); {bc.cpu_settings()}")
+    resolved = sorted({e.runner.draft_min_confidence for _, e in variants}) if args.eagle else None
+    unsure = f", min_confidence={resolved}" if args.eagle else ""
+    print(f"{args.workload.upper()} speculative decoding ({drafter}): k={args.k}{unsure}, auto_disable={args.auto_disable}, "
+          f"chat={not args.no_chat and not r1}, {args.max_tokens} new tokens, median of {args.repeats} "
+          f"(engines' calls interleaved); plain engine: num_scheduler_steps={plain.config.num_scheduler_steps} "
+          f"(its default); {bc.cpu_settings()}")
 
     rows, runs = [], []
     for batch, (mode, sp_kw) in [(b, m) for b in args.batch_sizes for m in modes]:
@@ -146,53 +177,44 @@ def main() -> None:
         num_prompts = max(args.num_prompts or batch, batch)
         prompts = ([tok.encode(bc.r1_prompt(i)) for i in range(num_prompts)] if r1
                    else [prompt_ids(tok, i, not args.no_chat) for i in range(num_prompts)])
-        result: dict[str, Any] = dict(batch=batch, mode=mode, num_prompts=num_prompts,
-                                      prompt_tokens=[len(p) for p in prompts])
-        outs = {}
-        for name, engine in (("plain", plain), ("spec", spec)):
+        before, seconds, outs = {}, {name: [] for name, _ in engines}, {}
+        for name, engine in engines:
             engine.block_manager.invalidate_prefix_cache()
             engine.generate(prompts, sp)  # untimed warm-up (compiles), outside the counters below
-            before = engine.stats()
-            seconds, _, out, _ = bc.timed_median(lambda e=engine: e.generate(prompts, sp), args.repeats,
-                                                 before_each=engine.block_manager.invalidate_prefix_cache,
-                                                 warmup=False)
+            before[name] = engine.stats()
+        for _ in range(args.repeats):  # the engines take turns, so a slow spell of the machine hits them alike
+            for name, engine in engines:
+                engine.block_manager.invalidate_prefix_cache()
+                t, _, out, _ = bc.timed_median(lambda e=engine: e.generate(prompts, sp), 1, warmup=False)
+                seconds[name].append(t)
+                outs[name] = [c.token_ids for o in out for c in o.outputs]
+        tokens = sum(len(t) for t in outs["plain"])
+        plain_s = statistics.median(seconds["plain"])
+        for name, engine in variants:
             after = engine.stats()
-            tokens = sum(len(c.token_ids) for o in out for c in o.outputs)
-            outs[name] = [c.token_ids for o in out for c in o.outputs]
-            result[f"{name}_tok_s"] = tokens / seconds
-            result[f"{name}_seconds"] = seconds
-            result["new_tokens"] = tokens
-            result[f"{name}_compilations_timed"] = after.num_compilations - before.num_compilations
-            if name == "spec":
-                s0, s1 = before.speculative, after.speculative
-                delta = {f.name: getattr(s1, f.name) - getattr(s0, f.name)
-                         for f in dataclasses.fields(s1) if f.name != "acceptance_by_version"}
-                result["mean_accepted_per_step"] = (delta["emitted_tokens"] / delta["num_seq_steps"]
-                                                    if delta["num_seq_steps"] else 0.0)
-                result["acceptance_rate"] = (delta["accepted_tokens"] / delta["drafted_tokens"]
-                                             if delta["drafted_tokens"] else 0.0)
-                steps = delta["num_draft_steps"] + delta["num_disabled_steps"]
-                result["disabled_share"] = delta["num_disabled_steps"] / steps if steps else 0.0
-                result["unsure_share"] = (delta["num_unsure_steps"] / delta["num_draft_steps"]
-                                          if delta["num_draft_steps"] else 0.0)
-                result["spec_counters"] = delta
-                result["step_seconds"] = {f"{'spec' if d else 'plain'}@{n}": v
-                                          for (d, n), v in sorted(engine.speculator._seconds.items())}
-        result["ratio"] = result["spec_tok_s"] / result["plain_tok_s"]
-        result["first_difference"] = first_difference(outs["plain"], outs["spec"])
-        result["identical"] = result["first_difference"] is None
-        runs.append(result)
-        rows.append([batch, num_prompts, mode, result["new_tokens"], f"{result['plain_tok_s']:.1f}", f"{result['spec_tok_s']:.1f}",
-                     f"{result['ratio']:.2f}x", f"{result['mean_accepted_per_step']:.2f}",
-                     f"{result['acceptance_rate']:.2f}", f"{result['disabled_share']:.2f}", f"{result['unsure_share']:.2f}",
-                     "True" if result["identical"] else "False (seq {}, token {})".format(*result["first_difference"])])
+            spec_s = statistics.median(seconds[name])
+            diff = first_difference(outs["plain"], outs[name])
+            result: dict[str, Any] = dict(
+                batch=batch, mode=mode, variant=name, num_prompts=num_prompts, prompt_tokens=[len(p) for p in prompts],
+                min_confidence=engine.runner.draft_min_confidence if args.eagle else None,
+                auto_disable=engine.speculator.config.auto_disable, new_tokens=tokens,
+                plain_tok_s=tokens / plain_s, plain_seconds=plain_s, plain_seconds_all=seconds["plain"],
+                spec_tok_s=sum(len(t) for t in outs[name]) / spec_s, spec_seconds=spec_s, spec_seconds_all=seconds[name],
+                compilations_timed={n: e.stats().num_compilations - before[n].num_compilations for n, e in engines},
+                **spec_counters(before[name], after, engine), first_difference=diff, identical=diff is None)
+            result["ratio"] = result["spec_tok_s"] / result["plain_tok_s"]
+            runs.append(result)
+            rows.append([batch, num_prompts, mode, name, tokens, f"{result['plain_tok_s']:.1f}", f"{result['spec_tok_s']:.1f}",
+                         f"{result['ratio']:.2f}x", f"{result['mean_accepted_per_step']:.2f}",
+                         f"{result['acceptance_rate']:.2f}", f"{result['disabled_share']:.2f}", f"{result['unsure_share']:.2f}",
+                         "True" if diff is None else "False (seq {}, token {})".format(*diff)])
         if batch == args.batch_sizes[0]:
-            print("sample output:", repr(tok.decode(outs["spec"][0])[:200]))
+            print("sample output:", repr(tok.decode(outs[variants[0][0]][0])[:200]))
 
-    bc.print_table(["B", "prompts", "mode", "new tokens", "plain tok/s", "spec tok/s", "ratio", "tokens/step", "accept rate",
-                    "disabled", "unsure", "identical"], rows)
-    print(bc.json_line(dict(bench=f"spec-{args.workload.upper()}", drafter=drafter, k=args.k, auto_disable=spec_cfg.auto_disable,
-                            min_confidence=args.min_confidence,
+    bc.print_table(["B", "prompts", "mode", "engine", "new tokens", "plain tok/s", "spec tok/s", "ratio", "tokens/step",
+                    "accept rate", "disabled", "unsure", "identical"], rows)
+    print(bc.json_line(dict(bench=f"spec-{args.workload.upper()}", drafter=drafter, k=args.k, auto_disable=args.auto_disable,
+                            min_confidence=resolved,
                             plain_num_scheduler_steps=plain.config.num_scheduler_steps, chat=not args.no_chat and not r1,
                             max_tokens=args.max_tokens, repeats=args.repeats, runs=runs,
                             all_identical=all(r["identical"] for r in runs)), args.json_out))
