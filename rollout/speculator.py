@@ -5,7 +5,9 @@ head through the runner (`draft_fn`). The target verifies all drafts in one step
 samples after every position with the request's own per-position key ("exact replay"), so the
 emitted tokens and logprobs are those of plain decoding. Speculation turns itself off for a step
 when measured step times and acceptance say plain decoding would be faster (that step may then be a
-multi-step call: the time per decode step is what is compared).
+multi-step call: the time per decode step is what is compared). Each sequence carries its own
+estimate of tokens per verification step (from 1 + k, an EMA of what it emitted); while it skips
+drafting, that estimate drifts back towards the population's mean, since nothing refreshes it.
 """
 
 from __future__ import annotations
