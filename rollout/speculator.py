@@ -93,12 +93,11 @@ class Speculator:
         one_step = dataclasses.replace(batch, num_new_tokens=[1] * len(batch.seqs))
         if not self._worth_it(batch.seqs):
             self.stats.num_disabled_steps += 1
-            if self._probing:
-                self._forget_stale(batch.seqs, 1)
-                return one_step, None
-            self._steps_since_probe += max(batch.num_new_tokens) - 1  # a multi-step call: its steps count
-            self._forget_stale(batch.seqs, max(batch.num_new_tokens))
-            return batch, None
+            run = one_step if self._probing else batch
+            self._forget_stale(batch.seqs, max(run.num_new_tokens))
+            if not self._probing:
+                self._steps_since_probe += max(batch.num_new_tokens) - 1  # a multi-step call: its steps count
+            return run, None
         per_seq = min(self.config.k, self.max_num_batched_tokens // len(batch.seqs) - 1)
         if per_seq < 1:
             return batch, None
