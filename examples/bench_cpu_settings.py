@@ -56,6 +56,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--settings", default=None, help="comma-separated subset of the settings (default: all)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -69,11 +70,18 @@ def main() -> None:
     tcmalloc = find_tcmalloc()
     settings: list[tuple[str, dict[str, str], list[str], str]] = [
         ("default", {}, [], "float32"),
+        ("row_kernel_off", {"JAX_ROLLOUT_ROW_KERNEL": "0"}, [], "float32"),  # XLA's dot for <= 8 rows too
         ("tcmalloc", {"LD_PRELOAD": tcmalloc} if tcmalloc else {}, [], "float32"),
         ("pinned", {}, ["taskset", "-c", f"0-{cores - 1}"] if shutil.which("taskset") else [], "float32"),
         ("eigen_single_thread", {"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false"}, [], "float32"),
         ("bfloat16", {}, [], "bfloat16"),
     ]
+    if args.settings:
+        wanted = args.settings.split(",")
+        unknown = set(wanted) - {name for name, *_ in settings}
+        if unknown or "default" not in wanted:
+            ap.error(f"--settings: unknown {sorted(unknown)} or 'default' missing (ratios are to it)")
+        settings = [s for s in settings if s[0] in wanted]
     results: dict[str, float | None] = {}
     print(f"R1-style greedy, B={args.batch}, {args.tokens} new tokens; {cores} cores; one subprocess per setting")
     for name, env, prefix, dtype in settings:

@@ -22,7 +22,8 @@ from jaxtyping import Array
 from runner.attention import ATTENTION_IMPLS
 from runner.buckets import BucketConfig
 from runner.kv_cache import KVCacheSpec, allocate_kv_caches
-from runner.models.llama import LlamaForCausalLM
+from runner.models.llama import LlamaForCausalLM, with_row_kernel
+from runner.row_matmul import MAX_ROWS, RowKernelStatus, load
 from runner.sampler import SamplerOutput
 from runner.sharding import kv_cache_sharding, make_mesh, shard_params
 from runner.spec_decode.eagle3 import Eagle3Head
@@ -54,6 +55,19 @@ def _sampled_rows(out: SamplerOutput, rows: np.ndarray, num_top: int) -> StepRes
                       out.top_logprobs[rows, :num_top])
 
 
+def row_kernel_status(mesh: Mesh, model: LlamaForCausalLM) -> RowKernelStatus:
+    """Whether the engine's few-row steps (decode at B <= 8, B=1 verification) use `runner.row_matmul`:
+    float32 on one CPU device (the kernel has no partitioning rule, so never on a mesh)."""
+    cfg = model.config
+    if any(d.platform != "cpu" for d in mesh.devices.flat):
+        return RowKernelStatus(False, "not a CPU device: XLA's dot")
+    if mesh.size > 1:
+        return RowKernelStatus(False, "a mesh of several devices: XLA's dot partitions, the kernel does not")
+    if (cfg.dtype, cfg.param_dtype) != ("float32", "float32"):
+        return RowKernelStatus(False, f"float32 only, the model computes in {cfg.dtype} ({cfg.param_dtype} weights)")
+    return load()
+
+
 class ModelRunner:
     """Owns the model's device state, the paged KV caches and the compiled step programs."""
 
@@ -69,8 +83,12 @@ class ModelRunner:
         if num_scheduler_steps < 1 or (num_scheduler_steps > 1 and draft_head is not None):
             raise ValueError(f"num_scheduler_steps must be >= 1 and 1 with a draft head, got {num_scheduler_steps}")
         self.num_scheduler_steps = num_scheduler_steps
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         self.mesh = mesh if mesh is not None else make_mesh(None)
+        self.row_kernel = row_kernel_status(self.mesh, model)
+        if self.row_kernel.available:
+            model = with_row_kernel(model, MAX_ROWS)
+            draft_head = None if draft_head is None else with_row_kernel(draft_head, MAX_ROWS)
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         if attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"unknown attention impl {attention_impl!r}; choose one of {ATTENTION_IMPLS}")
         if attention_impl != "jax" and self.mesh.shape["model"] > 1:

@@ -9,6 +9,7 @@ Flax `[in, out]` kernels.
 from __future__ import annotations
 
 import math
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ from jaxtyping import Array, Float, Int
 
 from runner.attention import AttentionMetadata, causal_attention, paged_attention, write_kv
 from runner.models.config import ModelConfig
+from runner.row_matmul import row_matmul, row_matmul_nt
 
 KVCaches = tuple[Float[Array, "2 Hkv P page D"], ...]
 
@@ -34,9 +36,15 @@ class Linear(nnx.Module):
         self.kernel = nnx.Param(init(rngs.params(), (in_features, out_features), _dtype(cfg.param_dtype)))
         self.bias = nnx.Param(jnp.zeros((out_features,), _dtype(cfg.param_dtype))) if bias else None
         self.compute_dtype = _dtype(cfg.dtype)
+        self.row_kernel_max_rows = 0  # > 0: up to this many rows on `runner.row_matmul` (`use_row_kernel`)
 
     def __call__(self, x: Float[Array, "... in"]) -> Float[Array, "... out"]:
-        y = jnp.dot(x.astype(self.compute_dtype), self.kernel[...].astype(self.compute_dtype))
+        x, w = x.astype(self.compute_dtype), self.kernel[...].astype(self.compute_dtype)
+        rows = math.prod(x.shape[:-1])
+        if 0 < rows <= self.row_kernel_max_rows:
+            y = row_matmul(x.reshape(rows, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[1])
+        else:
+            y = jnp.dot(x, w)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.compute_dtype)
         return y
@@ -169,6 +177,7 @@ class LlamaForCausalLM(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, cfg=cfg)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
             cfg.hidden_size, cfg.vocab_size, bias=False, cfg=cfg, rngs=rngs)
+        self.row_kernel_max_rows = 0  # the tied output projection's; see `use_row_kernel`
 
     def embed(self, input_ids: Int[Array, "..."]) -> Float[Array, "... H"]:
         return self.embed_tokens[...][input_ids].astype(_dtype(self.config.dtype))
@@ -179,7 +188,11 @@ class LlamaForCausalLM(nnx.Module):
 
     def compute_logits(self, hidden: Float[Array, "... H"]) -> Float[Array, "... V"]:
         """Final-norm'd hidden states -> float32 logits."""
-        if self.lm_head is None:
+        rows = math.prod(hidden.shape[:-1])
+        if self.lm_head is None and 0 < rows <= self.row_kernel_max_rows:
+            w = self.embed_tokens[...].astype(hidden.dtype)
+            logits = row_matmul_nt(hidden.reshape(rows, hidden.shape[-1]), w).reshape(*hidden.shape[:-1], w.shape[0])
+        elif self.lm_head is None:
             w = self.embed_tokens[...].astype(hidden.dtype)
             logits = jnp.einsum("...h,vh->...v", hidden, w)
         else:
@@ -227,3 +240,16 @@ class LlamaForCausalLM(nnx.Module):
 
 def _concat_aux(aux: list[Array], like: Array) -> Array:
     return jnp.concatenate(aux, axis=-1) if aux else jnp.zeros((*like.shape[:-1], 0), like.dtype)
+
+
+ModuleT = TypeVar("ModuleT", bound=nnx.Module)
+
+
+def with_row_kernel(module: ModuleT, max_rows: int) -> ModuleT:
+    """A copy of `module` (sharing its arrays) whose `Linear` layers and tied output projection compute
+    steps of up to `max_rows` rows with `runner.row_matmul` (0: XLA's dot everywhere)."""
+    copy = nnx.merge(*nnx.split(module))
+    for _, sub in nnx.iter_modules(copy):
+        if isinstance(sub, (Linear, LlamaForCausalLM)):
+            sub.row_kernel_max_rows = max_rows
+    return copy

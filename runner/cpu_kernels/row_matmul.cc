@@ -1,0 +1,193 @@
+// Few-row float32 matmuls for XLA:CPU (an XLA FFI custom call; built and loaded by runner/row_matmul.py).
+//
+// XLA:CPU runs a 1-row dot as a single-threaded GEMV and 2..8 rows as a YNNPACK GEMM that reads the
+// weights at about half the memory bandwidth, so a B=1 verification step (k + 1 rows) cost ~1.7x a
+// decode step. These kernels stream the weights once for all rows on all the pool's threads.
+// Each output is summed in the same order whatever the row count, so row r of an M-row product is
+// bitwise the 1-row product of row r (a verification step rounds exactly as plain decoding).
+//
+//   RowMatmul:   y[M, N] = x[M, K] @ w[K, N]       (Flax kernels, [in, out])
+//   RowMatmulNT: y[M, N] = x[M, K] @ w[N, K]^T     (a tied embedding as the output projection)
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kMaxRows = 8;
+constexpr int64_t kRowBlock = 32;  // weight rows read together (RowMatmul): 32 concurrent streams
+constexpr int kStripVectors = 4;   // 64 output columns held in registers per row (RowMatmul)
+constexpr int kNtRows = 4;         // weight rows (outputs) per block (RowMatmulNT)
+// Sized for AVX-512's 32 registers of 16 floats. Built for AVX2 (x86-64-v3) the same code ran
+// 2.5-3x slower than XLA's dot, so runner/row_matmul.py builds it only where AVX-512 is present.
+#if !defined(__AVX512F__)
+#error "row_matmul.cc is tuned for AVX-512 (see runner/row_matmul.py)"
+#endif
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+inline v16 load(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
+inline void store(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
+inline v16 load_tail(const float* p, int64_t n) {  // n < 16 floats, the rest zero
+  v16 v = {}; std::memcpy(&v, p, n * sizeof(float)); return v;
+}
+inline float hsum(v16 v) {  // a fixed tree: 16 -> 8 -> 4 -> 1
+  v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// Columns [n0, n1) of y = x @ w, w [K, N]: for each block of weight rows, a strip of columns is
+// accumulated in registers; y holds the partial sums between row blocks.
+template <int M>
+void nn_columns(const float* __restrict x, const float* __restrict w, float* __restrict y,
+                int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  constexpr int64_t strip = 16 * kStripVectors;
+  for (int64_t k0 = 0; k0 < K; k0 += kRowBlock) {
+    const int64_t k1 = std::min(K, k0 + kRowBlock);
+    int64_t n = n0;
+    for (; n + strip <= n1; n += strip) {
+      v16 acc[M][kStripVectors];
+      for (int m = 0; m < M; ++m)
+        for (int u = 0; u < kStripVectors; ++u) acc[m][u] = k0 == 0 ? v16{} : load(y + m * N + n + 16 * u);
+      for (int64_t k = k0; k < k1; ++k) {
+        v16 wv[kStripVectors];
+        for (int u = 0; u < kStripVectors; ++u) wv[u] = load(w + k * N + n + 16 * u);
+        for (int m = 0; m < M; ++m) {
+          const float xs = x[m * K + k];
+          for (int u = 0; u < kStripVectors; ++u) acc[m][u] += xs * wv[u];  // one FMA (-ffp-contract=fast)
+        }
+      }
+      for (int m = 0; m < M; ++m)
+        for (int u = 0; u < kStripVectors; ++u) store(y + m * N + n + 16 * u, acc[m][u]);
+    }
+    for (; n < n1; ++n)
+      for (int m = 0; m < M; ++m) {
+        float acc = k0 == 0 ? 0.f : y[m * N + n];
+        for (int64_t k = k0; k < k1; ++k) acc = __builtin_fmaf(x[m * K + k], w[k * N + n], acc);
+        y[m * N + n] = acc;
+      }
+  }
+}
+
+// Columns [n0, n1) of y = x @ w^T, w [N, K]: dot products over contiguous weight rows.
+template <int M>
+void nt_columns(const float* __restrict x, const float* __restrict w, float* __restrict y,
+                int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; n += kNtRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(kNtRows, n1 - n));
+    v16 acc[M][kNtRows] = {};
+    for (int64_t k = 0; k < K; k += 16) {
+      const int64_t len = std::min<int64_t>(16, K - k);
+      v16 wv[kNtRows];
+      for (int j = 0; j < kNtRows; ++j)
+        wv[j] = j >= rows ? v16{} : len == 16 ? load(w + (n + j) * K + k) : load_tail(w + (n + j) * K + k, len);
+      for (int m = 0; m < M; ++m) {
+        const v16 xv = len == 16 ? load(x + m * K + k) : load_tail(x + m * K + k, len);
+        for (int j = 0; j < kNtRows; ++j) acc[m][j] += xv * wv[j];
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int j = 0; j < rows; ++j) y[m * N + n + j] = hsum(acc[m][j]);
+  }
+}
+
+template <bool NT, int M>
+void columns(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  if constexpr (NT) nt_columns<M>(x, w, y, K, N, n0, n1); else nn_columns<M>(x, w, y, K, N, n0, n1);
+}
+
+template <bool NT>
+void run_columns(int rows, const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  switch (rows) {
+    case 1: return columns<NT, 1>(x, w, y, K, N, n0, n1);
+    case 2: return columns<NT, 2>(x, w, y, K, N, n0, n1);
+    case 3: return columns<NT, 3>(x, w, y, K, N, n0, n1);
+    case 4: return columns<NT, 4>(x, w, y, K, N, n0, n1);
+    case 5: return columns<NT, 5>(x, w, y, K, N, n0, n1);
+    case 6: return columns<NT, 6>(x, w, y, K, N, n0, n1);
+    case 7: return columns<NT, 7>(x, w, y, K, N, n0, n1);
+    default: return columns<NT, 8>(x, w, y, K, N, n0, n1);
+  }
+}
+
+// Column chunks claimed through an atomic counter by the calling thread and the pool's: a task
+// that starts late finds nothing left, so the caller never waits on a task that has not started
+// (two kernels running on the pool at once cannot deadlock).
+struct Work {
+  bool nt;
+  int rows;
+  const float* x;
+  const float* w;
+  float* y;
+  int64_t K, N, chunk, num_chunks;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void drain() {
+    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < num_chunks;) {
+      const int64_t n0 = c * chunk, n1 = std::min(N, n0 + chunk);
+      if (nt) run_columns<true>(rows, x, w, y, K, N, n0, n1); else run_columns<false>(rows, x, w, y, K, N, n0, n1);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error run(bool nt, ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+               ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("row_matmul: x and w must be 2-D");
+  const int64_t rows = xd[0], K = xd[1], N = nt ? wd[0] : wd[1];
+  if (rows < 1 || rows > kMaxRows || (nt ? wd[1] : wd[0]) != K)
+    return ffi::Error::InvalidArgument("row_matmul: x must be [1..8, K] and w [K, N] (NT: [N, K])");
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t align = nt ? kNtRows : 16 * kStripVectors;
+  const int64_t per_chunk = (N + 4 * threads - 1) / (4 * threads);  // ~4 chunks per thread
+  auto work = std::make_shared<Work>();
+  work->nt = nt;
+  work->rows = static_cast<int>(rows);
+  work->x = x.typed_data();
+  work->w = w.typed_data();
+  work->y = y->typed_data();
+  work->K = K;
+  work->N = N;
+  work->chunk = std::max<int64_t>(256, (per_chunk + align - 1) / align * align);
+  work->num_chunks = (N + work->chunk - 1) / work->chunk;
+  if (work->num_chunks > 1)
+    for (int64_t t = 1; t < std::min(threads, work->num_chunks); ++t) pool.Schedule([work] { work->drain(); });
+  work->drain();
+  while (work->done.load(std::memory_order_acquire) < work->num_chunks) {
+#if defined(__x86_64__)
+    __builtin_ia32_pause();
+#endif
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error RowMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                         ffi::ResultBuffer<ffi::F32> y) {
+  return run(false, pool, x, w, y);
+}
+
+ffi::Error RowMatmulNTImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                           ffi::ResultBuffer<ffi::F32> y) {
+  return run(true, pool, x, w, y);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RowMatmul, RowMatmulImpl,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RowMatmulNT, RowMatmulNTImpl,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
