@@ -8,9 +8,10 @@ such few-row steps. Each output is summed in the same order whatever the row cou
 result does not depend on which other rows share the step.
 
 The kernel is compiled on first use with the system C++ compiler (`$CXX`, else `g++` or `c++`) for
-this CPU (`-march=native`; x86 with AVX-512 only) into `$JAX_ROLLOUT_CACHE_DIR` (default `~/.cache/jax-rollout`), keyed by
-the source, jaxlib's version, the compiler and the CPU. `load()` says whether it is usable and, if
-not, why; the model then keeps XLA's dot. `JAX_ROLLOUT_ROW_KERNEL=0` turns it off.
+this CPU (`-march=native`; x86 with AVX-512 only) into `$JAX_ROLLOUT_CACHE_DIR` (default
+`~/.cache/jax-rollout`), keyed by the source, jaxlib's version, the compiler and the CPU. `load()`
+says whether it is usable and, if not, why; the model then keeps XLA's dot.
+`JAX_ROLLOUT_ROW_KERNEL=0` turns it off.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -106,41 +108,34 @@ def load() -> RowKernelStatus:
     return RowKernelStatus(True, "ok", str(library))
 
 
-def _call(target: str, x: Array, w: Array, num_out: int) -> Array:
-    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], num_out), jnp.float32))(x, w)
+def _kernel_with_dot_gradients(target: str, transposed: bool) -> Callable[[Array, Array], Array]:
+    """The FFI call for `target`, differentiable (the backward pass uses XLA's dots)."""
+
+    @jax.custom_vjp
+    def matmul(x: Array, w: Array) -> Array:
+        num_out = w.shape[0] if transposed else w.shape[1]
+        return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], num_out), jnp.float32))(x, w)
+
+    def forward(x: Array, w: Array) -> tuple[Array, tuple[Array, Array]]:
+        return matmul(x, w), (x, w)
+
+    def backward(res: tuple[Array, Array], g: Array) -> tuple[Array, Array]:
+        x, w = res
+        return (g @ w, g.T @ x) if transposed else (g @ w.T, x.T @ g)
+
+    matmul.defvjp(forward, backward)
+    return matmul
 
 
-@jax.custom_vjp
+_row_matmul = _kernel_with_dot_gradients(_TARGET, transposed=False)
+_row_matmul_nt = _kernel_with_dot_gradients(_TARGET_NT, transposed=True)
+
+
 def row_matmul(x: Float[Array, "M K"], w: Float[Array, "K N"]) -> Float[Array, "M N"]:
     """`x @ w` for 1..MAX_ROWS float32 rows (needs `load().available`)."""
-    return _call(_TARGET, x, w, w.shape[1])
+    return _row_matmul(x, w)
 
 
-def _row_matmul_fwd(x: Array, w: Array) -> tuple[Array, tuple[Array, Array]]:
-    return row_matmul(x, w), (x, w)
-
-
-def _row_matmul_bwd(res: tuple[Array, Array], g: Array) -> tuple[Array, Array]:
-    x, w = res
-    return g @ w.T, x.T @ g
-
-
-row_matmul.defvjp(_row_matmul_fwd, _row_matmul_bwd)
-
-
-@jax.custom_vjp
 def row_matmul_nt(x: Float[Array, "M K"], w: Float[Array, "N K"]) -> Float[Array, "M N"]:
     """`x @ w.T` for 1..MAX_ROWS float32 rows: a tied embedding `[V, H]` as the output projection."""
-    return _call(_TARGET_NT, x, w, w.shape[0])
-
-
-def _row_matmul_nt_fwd(x: Array, w: Array) -> tuple[Array, tuple[Array, Array]]:
-    return row_matmul_nt(x, w), (x, w)
-
-
-def _row_matmul_nt_bwd(res: tuple[Array, Array], g: Array) -> tuple[Array, Array]:
-    x, w = res
-    return g @ w, g.T @ x
-
-
-row_matmul_nt.defvjp(_row_matmul_nt_fwd, _row_matmul_nt_bwd)
+    return _row_matmul_nt(x, w)
