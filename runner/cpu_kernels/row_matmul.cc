@@ -45,19 +45,19 @@ inline float hsum(v16 v) {  // a fixed tree: 16 -> 8 -> 4 -> 1
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-// Columns [n0, n1) of y = x @ w, w [K, N]: for each block of weight rows, a strip of columns is
-// accumulated in registers; y holds the partial sums between row blocks.
+// Columns [n0, n1) of y = x[:, kb:ke] @ w[kb:ke], w [K, N]: for each block of weight rows, a strip of
+// columns is accumulated in registers; y holds the partial sums between row blocks.
 template <int M>
 void nn_columns(const float* __restrict x, const float* __restrict w, float* __restrict y,
-                int64_t K, int64_t N, int64_t n0, int64_t n1) {
+                int64_t K, int64_t N, int64_t n0, int64_t n1, int64_t kb, int64_t ke) {
   constexpr int64_t strip = 16 * kStripVectors;
-  for (int64_t k0 = 0; k0 < K; k0 += kRowBlock) {
-    const int64_t k1 = std::min(K, k0 + kRowBlock);
+  for (int64_t k0 = kb; k0 < ke; k0 += kRowBlock) {
+    const int64_t k1 = std::min(ke, k0 + kRowBlock);
     int64_t n = n0;
     for (; n + strip <= n1; n += strip) {
       v16 acc[M][kStripVectors];
       for (int m = 0; m < M; ++m)
-        for (int u = 0; u < kStripVectors; ++u) acc[m][u] = k0 == 0 ? v16{} : load(y + m * N + n + 16 * u);
+        for (int u = 0; u < kStripVectors; ++u) acc[m][u] = k0 == kb ? v16{} : load(y + m * N + n + 16 * u);
       for (int64_t k = k0; k < k1; ++k) {
         v16 wv[kStripVectors];
         for (int u = 0; u < kStripVectors; ++u) wv[u] = load(w + k * N + n + 16 * u);
@@ -71,7 +71,7 @@ void nn_columns(const float* __restrict x, const float* __restrict w, float* __r
     }
     for (; n < n1; ++n)
       for (int m = 0; m < M; ++m) {
-        float acc = k0 == 0 ? 0.f : y[m * N + n];
+        float acc = k0 == kb ? 0.f : y[m * N + n];
         for (int64_t k = k0; k < k1; ++k) acc = __builtin_fmaf(x[m * K + k], w[k * N + n], acc);
         y[m * N + n] = acc;
       }
@@ -101,41 +101,52 @@ void nt_columns(const float* __restrict x, const float* __restrict w, float* __r
 }
 
 template <bool NT, int M>
-void columns(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
-  if constexpr (NT) nt_columns<M>(x, w, y, K, N, n0, n1); else nn_columns<M>(x, w, y, K, N, n0, n1);
+void block(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1,
+           int64_t kb, int64_t ke) {
+  if constexpr (NT) nt_columns<M>(x, w, y, K, N, n0, n1); else nn_columns<M>(x, w, y, K, N, n0, n1, kb, ke);
 }
 
 template <bool NT>
-void run_columns(int rows, const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+void run_block(int rows, const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1,
+               int64_t kb, int64_t ke) {
   switch (rows) {
-    case 1: return columns<NT, 1>(x, w, y, K, N, n0, n1);
-    case 2: return columns<NT, 2>(x, w, y, K, N, n0, n1);
-    case 3: return columns<NT, 3>(x, w, y, K, N, n0, n1);
-    case 4: return columns<NT, 4>(x, w, y, K, N, n0, n1);
-    case 5: return columns<NT, 5>(x, w, y, K, N, n0, n1);
-    case 6: return columns<NT, 6>(x, w, y, K, N, n0, n1);
-    case 7: return columns<NT, 7>(x, w, y, K, N, n0, n1);
-    default: return columns<NT, 8>(x, w, y, K, N, n0, n1);
+    case 1: return block<NT, 1>(x, w, y, K, N, n0, n1, kb, ke);
+    case 2: return block<NT, 2>(x, w, y, K, N, n0, n1, kb, ke);
+    case 3: return block<NT, 3>(x, w, y, K, N, n0, n1, kb, ke);
+    case 4: return block<NT, 4>(x, w, y, K, N, n0, n1, kb, ke);
+    case 5: return block<NT, 5>(x, w, y, K, N, n0, n1, kb, ke);
+    case 6: return block<NT, 6>(x, w, y, K, N, n0, n1, kb, ke);
+    case 7: return block<NT, 7>(x, w, y, K, N, n0, n1, kb, ke);
+    default: return block<NT, 8>(x, w, y, K, N, n0, n1, kb, ke);
   }
 }
 
-// Column chunks claimed through an atomic counter by the calling thread and the pool's: a task
-// that starts late finds nothing left, so the caller never waits on a task that has not started
-// (two kernels running on the pool at once cannot deadlock).
+// Chunks claimed through an atomic counter by the calling thread and the pool's: a task that starts
+// late finds nothing left, so the caller never waits on a task that has not started (two kernels
+// running on the pool at once cannot deadlock). RowMatmul splits the weight rows (K): each chunk
+// streams one contiguous part of w into its own partial sums (chunk 0 into y), added in chunk order
+// afterwards; at 4 and 8 rows this ran the model's matmuls in 24 / 31-34 ms where column chunks took
+// 32 / 43 (docs/engineering-notes.md). RowMatmulNT splits the output columns (w's rows).
 struct Work {
   bool nt;
   int rows;
   const float* x;
   const float* w;
   float* y;
+  float* partial;  // RowMatmul: [num_chunks - 1, rows, N]
   int64_t K, N, chunk, num_chunks;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
   void drain() {
     for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < num_chunks;) {
-      const int64_t n0 = c * chunk, n1 = std::min(N, n0 + chunk);
-      if (nt) run_columns<true>(rows, x, w, y, K, N, n0, n1); else run_columns<false>(rows, x, w, y, K, N, n0, n1);
+      const int64_t lo = c * chunk;
+      if (nt) {
+        run_block<true>(rows, x, w, y, K, N, lo, std::min(N, lo + chunk), 0, K);
+      } else {
+        float* out = c == 0 ? y : partial + (c - 1) * rows * N;
+        run_block<false>(rows, x, w, out, K, N, 0, N, lo, std::min(K, lo + chunk));
+      }
       done.fetch_add(1, std::memory_order_release);
     }
   }
@@ -150,8 +161,6 @@ ffi::Error run(bool nt, ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   if (rows < 1 || rows > kMaxRows || (nt ? wd[1] : wd[0]) != K)
     return ffi::Error::InvalidArgument("row_matmul: x must be [1..8, K] and w [K, N] (NT: [N, K])");
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t align = nt ? kNtRows : 16 * kStripVectors;
-  const int64_t per_chunk = (N + 4 * threads - 1) / (4 * threads);  // ~4 chunks per thread
   auto work = std::make_shared<Work>();
   work->nt = nt;
   work->rows = static_cast<int>(rows);
@@ -160,8 +169,18 @@ ffi::Error run(bool nt, ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   work->y = y->typed_data();
   work->K = K;
   work->N = N;
-  work->chunk = std::max<int64_t>(256, (per_chunk + align - 1) / align * align);
-  work->num_chunks = (N + work->chunk - 1) / work->chunk;
+  std::unique_ptr<float[]> partial;
+  if (nt) {  // ~4 column chunks per thread
+    const int64_t per_chunk = (N + 4 * threads - 1) / (4 * threads);
+    work->chunk = std::max<int64_t>(256, (per_chunk + kNtRows - 1) / kNtRows * kNtRows);
+    work->num_chunks = (N + work->chunk - 1) / work->chunk;
+  } else {  // one contiguous part of the weight rows per thread
+    const int64_t per_chunk = (K + threads - 1) / threads;
+    work->chunk = (per_chunk + kRowBlock - 1) / kRowBlock * kRowBlock;
+    work->num_chunks = (K + work->chunk - 1) / work->chunk;
+    partial.reset(new float[(work->num_chunks - 1) * rows * N]);
+  }
+  work->partial = partial.get();
   if (work->num_chunks > 1)
     for (int64_t t = 1; t < std::min(threads, work->num_chunks); ++t) pool.Schedule([work] { work->drain(); });
   work->drain();
@@ -169,6 +188,11 @@ ffi::Error run(bool nt, ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
 #if defined(__x86_64__)
     __builtin_ia32_pause();
 #endif
+  }
+  float* out = y->typed_data();
+  for (int64_t c = 1; c < (nt ? 0 : work->num_chunks); ++c) {
+    const float* part = work->partial + (c - 1) * rows * N;
+    for (int64_t i = 0; i < rows * N; ++i) out[i] += part[i];
   }
   return ffi::Error::Success();
 }
