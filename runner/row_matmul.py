@@ -2,8 +2,8 @@
 
 XLA:CPU computes a 1-row dot as a single-threaded GEMV and 2..8 rows as a YNNPACK GEMM that reads
 the weights at about half the memory bandwidth. On the 2-core CPU the 30 layers' matmuls of SmolLM2
-took 24 / 31 / 40 / 49 ms for 1 / 2 / 4 / 8 rows; the kernel (all rows per pass over the weights,
-on XLA's intra-op threads) 23 / 27 / 32 / 43 ms. Decode at B <= 8 and B=1 verification steps are
+took 24 / 31 / 40 / 50 ms for 1 / 2 / 4 / 8 rows; the kernel (all rows per pass over the weights,
+each of XLA's intra-op threads streaming one contiguous part of them) 21 / 23 / 25 / 31-33 ms. Decode at B <= 8 and B=1 verification steps are
 such few-row steps. Each output is summed in the same order whatever the row count, so a row's
 result does not depend on which other rows share the step.
 
