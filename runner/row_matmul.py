@@ -3,9 +3,10 @@
 XLA:CPU computes a 1-row dot as a single-threaded GEMV and 2..8 rows as a YNNPACK GEMM that reads
 the weights at about half the memory bandwidth. On the 2-core CPU the 30 layers' matmuls of SmolLM2
 took 24 / 31 / 40 / 50 ms for 1 / 2 / 4 / 8 rows; the kernel (all rows per pass over the weights,
-each of XLA's intra-op threads streaming one contiguous part of them) 21 / 23 / 25 / 31-33 ms. Decode at B <= 8 and B=1 verification steps are
-such few-row steps. Each output is summed in the same order whatever the row count, so a row's
-result does not depend on which other rows share the step.
+each of XLA's intra-op threads streaming one contiguous part of them) 21 / 23 / 25 / 31-33 ms.
+Decode at B <= 8 and B=1 verification steps are such few-row steps. Each output is summed in the
+same order whatever the row count, so a row's result does not depend on which other rows share the
+step.
 
 The kernel is compiled on first use with the system C++ compiler (`$CXX`, else `g++` or `c++`) for
 this CPU (`-march=native`; x86 with AVX-512 only) into `$JAX_ROLLOUT_CACHE_DIR` (default
@@ -131,11 +132,11 @@ _row_matmul = _kernel_with_dot_gradients(_TARGET, transposed=False)
 _row_matmul_nt = _kernel_with_dot_gradients(_TARGET_NT, transposed=True)
 
 
-def row_matmul(x: Float[Array, "M K"], w: Float[Array, "K N"]) -> Float[Array, "M N"]:
-    """`x @ w` for 1..MAX_ROWS float32 rows (needs `load().available`)."""
-    return _row_matmul(x, w)
+def row_matmul(x: Float[Array, "... K"], w: Float[Array, "K N"]) -> Float[Array, "... N"]:
+    """`x @ w` for 1..MAX_ROWS float32 rows in all (leading axes flattened; needs `load().available`)."""
+    return _row_matmul(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[1])
 
 
-def row_matmul_nt(x: Float[Array, "M K"], w: Float[Array, "N K"]) -> Float[Array, "M N"]:
+def row_matmul_nt(x: Float[Array, "... K"], w: Float[Array, "N K"]) -> Float[Array, "... N"]:
     """`x @ w.T` for 1..MAX_ROWS float32 rows: a tied embedding `[V, H]` as the output projection."""
-    return _row_matmul_nt(x, w)
+    return _row_matmul_nt(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])

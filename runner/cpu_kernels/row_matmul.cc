@@ -190,7 +190,7 @@ ffi::Error run(bool nt, ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
 #endif
   }
   float* out = y->typed_data();
-  for (int64_t c = 1; c < (nt ? 0 : work->num_chunks); ++c) {
+  for (int64_t c = 1; !nt && c < work->num_chunks; ++c) {  // RowMatmul's partial sums, in chunk order
     const float* part = work->partial + (c - 1) * rows * N;
     for (int64_t i = 0; i < rows * N; ++i) out[i] += part[i];
   }

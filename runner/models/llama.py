@@ -36,15 +36,11 @@ class Linear(nnx.Module):
         self.kernel = nnx.Param(init(rngs.params(), (in_features, out_features), _dtype(cfg.param_dtype)))
         self.bias = nnx.Param(jnp.zeros((out_features,), _dtype(cfg.param_dtype))) if bias else None
         self.compute_dtype = _dtype(cfg.dtype)
-        self.row_kernel_max_rows = 0  # > 0: up to this many rows on `runner.row_matmul` (`use_row_kernel`)
+        self.row_kernel_max_rows = 0  # > 0: up to this many rows on `runner.row_matmul` (`with_row_kernel`)
 
     def __call__(self, x: Float[Array, "... in"]) -> Float[Array, "... out"]:
         x, w = x.astype(self.compute_dtype), self.kernel[...].astype(self.compute_dtype)
-        rows = math.prod(x.shape[:-1])
-        if 0 < rows <= self.row_kernel_max_rows:
-            y = row_matmul(x.reshape(rows, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[1])
-        else:
-            y = jnp.dot(x, w)
+        y = row_matmul(x, w) if 0 < math.prod(x.shape[:-1]) <= self.row_kernel_max_rows else jnp.dot(x, w)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.compute_dtype)
         return y
@@ -177,7 +173,7 @@ class LlamaForCausalLM(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, cfg=cfg)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
             cfg.hidden_size, cfg.vocab_size, bias=False, cfg=cfg, rngs=rngs)
-        self.row_kernel_max_rows = 0  # the tied output projection's; see `use_row_kernel`
+        self.row_kernel_max_rows = 0  # the tied output projection's; see `with_row_kernel`
 
     def embed(self, input_ids: Int[Array, "..."]) -> Float[Array, "... H"]:
         return self.embed_tokens[...][input_ids].astype(_dtype(self.config.dtype))
@@ -188,13 +184,12 @@ class LlamaForCausalLM(nnx.Module):
 
     def compute_logits(self, hidden: Float[Array, "... H"]) -> Float[Array, "... V"]:
         """Final-norm'd hidden states -> float32 logits."""
-        rows = math.prod(hidden.shape[:-1])
-        if self.lm_head is None and 0 < rows <= self.row_kernel_max_rows:
+        if self.lm_head is None:
             w = self.embed_tokens[...].astype(hidden.dtype)
-            logits = row_matmul_nt(hidden.reshape(rows, hidden.shape[-1]), w).reshape(*hidden.shape[:-1], w.shape[0])
-        elif self.lm_head is None:
-            w = self.embed_tokens[...].astype(hidden.dtype)
-            logits = jnp.einsum("...h,vh->...v", hidden, w)
+            if 0 < math.prod(hidden.shape[:-1]) <= self.row_kernel_max_rows:
+                logits = row_matmul_nt(hidden, w)
+            else:
+                logits = jnp.einsum("...h,vh->...v", hidden, w)
         else:
             logits = self.lm_head(hidden)
         return logits.astype(jnp.float32)
