@@ -4,6 +4,8 @@ Each setting runs in its own subprocess (environment variables such as LD_PRELOA
 must be set before the process starts), back to back on the same machine:
 
 - `default`: nothing set;
+- `row_kernel_off`: `JAX_ROLLOUT_ROW_KERNEL=0` (XLA's dot for steps of <= 8 rows too);
+- `attention_jax`: `JAX_ROLLOUT_CPU_ATTENTION=0` (the pure-JAX paged attention instead of the C++ kernel);
 - `tcmalloc`: `LD_PRELOAD` of gperftools' tcmalloc (Debian `libtcmalloc-minimal4`; skipped when absent);
 - `pinned`: the process bound to cores 0..N-1 with `taskset` (on a 2-core machine this only stops
   migration to nothing else: XLA already uses every core);
@@ -71,6 +73,7 @@ def main() -> None:
     settings: list[tuple[str, dict[str, str], list[str], str]] = [
         ("default", {}, [], "float32"),
         ("row_kernel_off", {"JAX_ROLLOUT_ROW_KERNEL": "0"}, [], "float32"),  # XLA's dot for <= 8 rows too
+        ("attention_jax", {"JAX_ROLLOUT_CPU_ATTENTION": "0"}, [], "float32"),  # runner.attention's while loops
         ("tcmalloc", {"LD_PRELOAD": tcmalloc} if tcmalloc else {}, [], "float32"),
         ("pinned", {}, ["taskset", "-c", f"0-{cores - 1}"] if shutil.which("taskset") else [], "float32"),
         ("eigen_single_thread", {"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false"}, [], "float32"),

@@ -68,7 +68,7 @@ class Engine:
         buckets = BucketConfig(config.max_num_seqs, config.max_num_batched_tokens, max_pages,
                                verify_rows=spec.k + 1 if spec is not None else 0)
         attention_impl = auto_attention_impl(config.attention_backend, device_mesh.devices.flat[0].platform,
-                                             device_mesh.shape["model"], kv_spec.dtype)
+                                             device_mesh.shape["model"], kv_spec.dtype, device_mesh.size)
         draft_head = None
         if isinstance(spec, Eagle3Config):
             draft_head = load_eagle3_head(spec.path, cfg, aux_layer_ids=spec.aux_layer_ids)
@@ -260,7 +260,7 @@ class Engine:
             prefix_cache_hit_tokens=self.block_manager.num_cache_hit_tokens,
             prefix_cache_queried_tokens=self.block_manager.num_cache_queried_tokens,
             num_compilations=num_compilations() - self._compiles_at_start,
-            cpu_row_kernel=self.runner.row_kernel.reason,
+            cpu_row_kernel=self.runner.row_kernel.reason, attention_impl=self.runner.attention_impl,
             speculative=dataclasses.replace(self.speculator.stats) if self.speculator is not None else None)
 
     # ---- internals --------------------------------------------------------------------------

@@ -46,20 +46,25 @@ class AttentionMetadata:
     impl: str = dataclasses.field(metadata=dict(static=True), default="jax")  # one of ATTENTION_IMPLS
 
 
-ATTENTION_IMPLS = ("jax", "pallas_gpu", "pallas_gpu_interpret", "pallas_tpu", "pallas_tpu_interpret")
+ATTENTION_IMPLS = ("jax", "cpu_kernel", "pallas_gpu", "pallas_gpu_interpret", "pallas_tpu", "pallas_tpu_interpret")
 
 
-def auto_attention_impl(backend: str, platform: str, model_axis: int, cache_dtype: str) -> str:
+def auto_attention_impl(backend: str, platform: str, model_axis: int, cache_dtype: str, num_devices: int = 1) -> str:
     """The attention impl for `attention_backend=backend` ("auto" or one of ATTENTION_IMPLS).
 
     "auto" takes the Pallas decode kernel of the device's platform when the cache is not sharded over
     a `model` axis; on TPU only for a bfloat16 cache, since that kernel rounds K/V to bfloat16 (with
-    a float32 cache it would move logprobs off the trainer's by ~1e-2). Otherwise the pure-JAX path.
+    a float32 cache it would move logprobs off the trainer's by ~1e-2). On one CPU device with a
+    float32 cache, the C++ kernel of `runner.cpu_attention` when it builds. Otherwise the pure-JAX path.
     """
     if backend != "auto":
         return backend
     if model_axis != 1:
         return "jax"
+    if platform == "cpu" and num_devices == 1 and jnp.dtype(cache_dtype) == jnp.float32:
+        from runner.cpu_attention import load
+
+        return "cpu_kernel" if load().available else "jax"
     if platform == "gpu":
         return "pallas_gpu"
     if platform == "tpu" and jnp.dtype(cache_dtype) == jnp.bfloat16:
@@ -76,7 +81,9 @@ def paged_attention(
 ) -> Float[Array, "T Hq D"]:
     """The engine's one attention boundary: `md.impl` picks the kernel.
 
-    "jax" is the pure-JAX `ragged_paged_attention` (every step, every backend). "pallas_gpu" and
+    "jax" is the pure-JAX `ragged_paged_attention` (every step, every backend). "cpu_kernel" sends steps
+    of at most `runner.cpu_attention.MAX_Q_LEN` queries per sequence (decode, verification) with float32
+    queries and cache to that C++ kernel, other steps to the pure-JAX version. "pallas_gpu" and
     "pallas_tpu" send decode steps (one query per sequence) to JAX's Pallas `paged_attention` kernel
     for that backend over the same cache (`kv_pages[0]`, `kv_pages[1]`), and every other step to the
     pure-JAX version; the "_interpret" variants run those kernels in Pallas interpret mode (any
@@ -84,7 +91,13 @@ def paged_attention(
     """
     if md.impl not in ATTENTION_IMPLS:
         raise ValueError(f"unknown attention impl {md.impl!r}; choose one of {ATTENTION_IMPLS}")
-    if md.impl != "jax" and md.max_q_len == 1 and queries.shape[0] == md.page_indices.shape[0]:
+    if md.impl == "cpu_kernel":
+        from runner.cpu_attention import MAX_HEAD_DIM, MAX_Q_LEN, cpu_paged_attention
+
+        if md.max_q_len <= MAX_Q_LEN and queries.dtype == kv_pages.dtype == jnp.float32 and queries.shape[-1] <= MAX_HEAD_DIM:
+            return cpu_paged_attention(queries, kv_pages, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
+                                       sm_scale=sm_scale)
+    elif md.impl != "jax" and md.max_q_len == 1 and queries.shape[0] == md.page_indices.shape[0]:
         return _pallas_decode(queries, kv_pages, md.kv_lens, md.page_indices, sm_scale=sm_scale,
                               platform=md.impl.split("_")[1], interpret=md.impl.endswith("_interpret"))
     return ragged_paged_attention(queries, kv_pages, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,

@@ -21,9 +21,11 @@ from jaxtyping import Array
 
 from runner.attention import ATTENTION_IMPLS
 from runner.buckets import BucketConfig
+from runner.cpu_attention import load as load_cpu_attention
+from runner.kernel_build import KernelStatus
 from runner.kv_cache import KVCacheSpec, allocate_kv_caches
 from runner.models.llama import LlamaForCausalLM, with_row_kernel
-from runner.row_matmul import MAX_ROWS, RowKernelStatus, load
+from runner.row_matmul import MAX_ROWS, load
 from runner.sampler import SamplerOutput
 from runner.sharding import kv_cache_sharding, make_mesh, shard_params
 from runner.spec_decode.eagle3 import Eagle3Head
@@ -55,16 +57,16 @@ def _sampled_rows(out: SamplerOutput, rows: np.ndarray, num_top: int) -> StepRes
                       out.top_logprobs[rows, :num_top])
 
 
-def row_kernel_status(mesh: Mesh, model: LlamaForCausalLM) -> RowKernelStatus:
+def row_kernel_status(mesh: Mesh, model: LlamaForCausalLM) -> KernelStatus:
     """Whether the engine's few-row steps (decode at B <= 8, B=1 verification) use `runner.row_matmul`:
     float32 on one CPU device (the kernel has no partitioning rule, so never on a mesh)."""
     cfg = model.config
     if any(d.platform != "cpu" for d in mesh.devices.flat):
-        return RowKernelStatus(False, "not a CPU device: XLA's dot")
+        return KernelStatus(False, "not a CPU device: XLA's dot")
     if mesh.size > 1:
-        return RowKernelStatus(False, "a mesh of several devices: XLA's dot partitions, the kernel does not")
+        return KernelStatus(False, "a mesh of several devices: XLA's dot partitions, the kernel does not")
     if (cfg.dtype, cfg.param_dtype) != ("float32", "float32"):
-        return RowKernelStatus(False, f"float32 only, the model computes in {cfg.dtype} ({cfg.param_dtype} weights)")
+        return KernelStatus(False, f"float32 only, the model computes in {cfg.dtype} ({cfg.param_dtype} weights)")
     return load()
 
 
@@ -94,6 +96,10 @@ class ModelRunner:
         if attention_impl != "jax" and self.mesh.shape["model"] > 1:
             raise ValueError(f"attention impl {attention_impl!r} runs unpartitioned: it needs a mesh whose "
                              f"'model' axis is 1, got {self.mesh.shape['model']} (use 'jax')")
+        if attention_impl == "cpu_kernel" and (self.mesh.size > 1 or self.mesh.devices.flat[0].platform != "cpu"):
+            raise ValueError("attention impl 'cpu_kernel' runs on one CPU device; use 'jax' on a mesh or accelerator")
+        if attention_impl == "cpu_kernel" and not load_cpu_attention().available:
+            raise ValueError(f"attention impl 'cpu_kernel' is unavailable here ({load_cpu_attention().reason}); use 'jax'")
         self.attention_impl = attention_impl
         if kv_spec.num_replicas != self.mesh.shape["data"]:
             raise ValueError(f"the KV cache has {kv_spec.num_replicas} replica(s) but the mesh's data axis is "

@@ -18,6 +18,7 @@ from flax import nnx
 from rollout import Engine, SamplingParams
 from runner.attention import (MULTIPLY_REDUCE_MAX_ROWS, PIECES_PER_GROUP, AttentionMetadata, auto_attention_impl,
                               paged_attention, ragged_paged_attention, write_kv)
+from runner.cpu_attention import load as load_cpu_attention
 from runner.models.llama import LlamaForCausalLM
 from runner.step_inputs import num_common_pages
 from test_engine import ENGINE_KW, ByteTokenizer, make_model, rand_prompt
@@ -28,19 +29,21 @@ HKV, GROUP, D, PAGE, NUM_PAGES = 2, 3, 8, 4, 40
 def reference(queries: np.ndarray, kv: np.ndarray, q_lens: list[int], kv_lens: list[int],
               tables: np.ndarray, sm_scale: float) -> np.ndarray:
     """Causal GQA of each sequence's queries over its first kv_len cached tokens (float64 numpy)."""
+    num_kv_heads, head_dim = kv.shape[1], kv.shape[-1]
+    group = queries.shape[1] // num_kv_heads
     out = np.zeros(queries.shape, np.float64)
     start = 0
     for s, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
         if kv_len == 0:  # a padding row: no context, output zero
             start += q_len
             continue
-        ctx = kv[:, :, tables[s]].reshape(2, HKV, -1, D)[:, :, :kv_len].astype(np.float64)  # [2, Hkv, L, D]
+        ctx = kv[:, :, tables[s]].reshape(2, num_kv_heads, -1, head_dim)[:, :, :kv_len].astype(np.float64)
         for i in range(q_len):
             pos = kv_len - q_len + i
-            for h in range(HKV * GROUP):
-                scores = ctx[0, h // GROUP, :pos + 1] @ queries[start + i, h].astype(np.float64) * sm_scale
+            for h in range(num_kv_heads * group):
+                scores = ctx[0, h // group, :pos + 1] @ queries[start + i, h].astype(np.float64) * sm_scale
                 p = np.exp(scores - scores.max())
-                out[start + i, h] = (p / p.sum()) @ ctx[1, h // GROUP, :pos + 1]
+                out[start + i, h] = (p / p.sum()) @ ctx[1, h // group, :pos + 1]
         start += q_len
     return out
 
@@ -172,7 +175,9 @@ def test_pallas_kernel_reads_the_same_cache(impl: str) -> None:
 
 
 def test_auto_attention_impl_keeps_float32_caches_exact() -> None:
-    assert auto_attention_impl("auto", "cpu", 1, "float32") == "jax"
+    assert auto_attention_impl("auto", "cpu", 1, "float32") == ("cpu_kernel" if load_cpu_attention().available else "jax")
+    assert auto_attention_impl("auto", "cpu", 1, "float32", num_devices=2) == "jax"  # the C++ kernel: one device
+    assert auto_attention_impl("auto", "cpu", 1, "bfloat16") == "jax"
     assert auto_attention_impl("auto", "gpu", 1, "float32") == "pallas_gpu"
     assert auto_attention_impl("auto", "gpu", 2, "float32") == "jax"  # the kernels run unpartitioned
     assert auto_attention_impl("auto", "tpu", 1, "bfloat16") == "pallas_tpu"

@@ -23,7 +23,7 @@ namespace {
 constexpr int kMaxRows = 8;
 constexpr int64_t kRowBlock = 32;  // weight rows read together (RowMatmul): 32 concurrent streams
 constexpr int kStripVectors = 4;   // 64 output columns held in registers per row (RowMatmul)
-constexpr int kNtRows = 4;         // weight rows (outputs) per block (RowMatmulNT)
+constexpr int kNtAlign = 24;       // RowMatmulNT column chunks: a multiple of every block size J
 // Sized for AVX-512's 32 registers of 16 floats. Built for AVX2 (x86-64-v3) the same code ran
 // 2.5-3x slower than XLA's dot, so runner/row_matmul.py builds it only where AVX-512 is present.
 #if !defined(__AVX512F__)
@@ -78,26 +78,42 @@ void nn_columns(const float* __restrict x, const float* __restrict w, float* __r
   }
 }
 
-// Columns [n0, n1) of y = x @ w^T, w [N, K]: dot products over contiguous weight rows.
+// Rows [n, n + J) of w dotted with the M rows of x: y[m, n + j] for a block of J contiguous weight rows.
+// Each output sums its 16-float chunks in k order, then a fixed hsum: the same for every M and J.
+template <int M, int J>
+inline void nt_block(const float* __restrict x, const float* __restrict w, float* __restrict y,
+                     int64_t K, int64_t N, int64_t n) {
+  v16 acc[M][J] = {};
+  const int64_t full = K / 16 * 16;
+  for (int64_t k = 0; k < full; k += 16) {
+    v16 wv[J];
+    for (int j = 0; j < J; ++j) wv[j] = load(w + (n + j) * K + k);
+    for (int m = 0; m < M; ++m) {
+      const v16 xv = load(x + m * K + k);
+      for (int j = 0; j < J; ++j) acc[m][j] += xv * wv[j];
+    }
+  }
+  if (full < K) {
+    v16 wv[J];
+    for (int j = 0; j < J; ++j) wv[j] = load_tail(w + (n + j) * K + full, K - full);
+    for (int m = 0; m < M; ++m) {
+      const v16 xv = load_tail(x + m * K + full, K - full);
+      for (int j = 0; j < J; ++j) acc[m][j] += xv * wv[j];
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < J; ++j) y[m * N + n + j] = hsum(acc[m][j]);
+}
+
+// Columns [n0, n1) of y = x @ w^T, w [N, K]: dot products over contiguous weight rows, as many weight
+// rows per block as AVX-512's 32 registers hold accumulators for (M * J + J + 1 <= 32).
 template <int M>
 void nt_columns(const float* __restrict x, const float* __restrict w, float* __restrict y,
                 int64_t K, int64_t N, int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; n += kNtRows) {
-    const int rows = static_cast<int>(std::min<int64_t>(kNtRows, n1 - n));
-    v16 acc[M][kNtRows] = {};
-    for (int64_t k = 0; k < K; k += 16) {
-      const int64_t len = std::min<int64_t>(16, K - k);
-      v16 wv[kNtRows];
-      for (int j = 0; j < kNtRows; ++j)
-        wv[j] = j >= rows ? v16{} : len == 16 ? load(w + (n + j) * K + k) : load_tail(w + (n + j) * K + k, len);
-      for (int m = 0; m < M; ++m) {
-        const v16 xv = len == 16 ? load(x + m * K + k) : load_tail(x + m * K + k, len);
-        for (int j = 0; j < kNtRows; ++j) acc[m][j] += xv * wv[j];
-      }
-    }
-    for (int m = 0; m < M; ++m)
-      for (int j = 0; j < rows; ++j) y[m * N + n + j] = hsum(acc[m][j]);
-  }
+  constexpr int J = M <= 2 ? 8 : M <= 6 ? 4 : 3;
+  int64_t n = n0;
+  for (; n + J <= n1; n += J) nt_block<M, J>(x, w, y, K, N, n);
+  for (; n < n1; ++n) nt_block<M, 1>(x, w, y, K, N, n);
 }
 
 template <bool NT, int M>
@@ -172,7 +188,7 @@ ffi::Error run(bool nt, ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   std::unique_ptr<float[]> partial;
   if (nt) {  // ~4 column chunks per thread
     const int64_t per_chunk = (N + 4 * threads - 1) / (4 * threads);
-    work->chunk = std::max<int64_t>(256, (per_chunk + kNtRows - 1) / kNtRows * kNtRows);
+    work->chunk = std::max<int64_t>(256, (per_chunk + kNtAlign - 1) / kNtAlign * kNtAlign);
     work->num_chunks = (N + work->chunk - 1) / work->chunk;
   } else {  // one contiguous part of the weight rows per thread
     const int64_t per_chunk = (K + threads - 1) / threads;

@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from runner.attention import MASK_VALUE, ragged_paged_attention, write_kv
+from runner.attention import MASK_VALUE, AttentionMetadata, paged_attention, write_kv
 from runner.models.config import ModelConfig, RopeScaling
 from runner.models.llama import MLP, Linear, LlamaForCausalLM, RMSNorm, apply_rope, rope_inv_freq
 from runner.sampler_blocks import argmax_last
@@ -246,14 +246,15 @@ class DraftChain:
 
 def draft_paged(head: Eagle3Head, target: LlamaForCausalLM, kv: Float[Array, "2 Hkv P page D"],
                 hidden: Float[Array, "P page H"], last_token_ids: Int[Array, "S"], positions: Int[Array, "S"],
-                page_indices: Int[Array, "S W"], num_seqs: Int[Array, "1"], *, num_steps: int
-                ) -> tuple[Float[Array, "2 Hkv P page D"], Int[Array, "S K"], DraftChain]:
+                page_indices: Int[Array, "S W"], num_seqs: Int[Array, "1"], *, num_steps: int,
+                attention_impl: str = "jax") -> tuple[Float[Array, "2 Hkv P page D"], Int[Array, "S K"], DraftChain]:
     """`num_steps` greedy drafts per sequence (one replica), as target ids `[S, num_steps]`.
 
     `last_token_ids[s]` is the token the coming target step feeds at position c, `positions[s]` is
     c - 1: step j runs the head at c - 1 + j (step 0 reads g_{c-1} from the cache, later steps the
     previous step's output) and writes its K/V there; the target step's `fill_cache` rewrites them.
     Returns the cache, the drafts and the chain after step 0 (its `confidence` decides unsure steps).
+    `attention_impl` "cpu_kernel" runs the head's attention in `runner.cpu_attention`; others the pure-JAX path.
     """
     num_pages, page, width = hidden.shape
     num_slots = num_pages * page
@@ -270,9 +271,11 @@ def draft_paged(head: Eagle3Head, target: LlamaForCausalLM, kv: Float[Array, "2 
         pos = positions + j
         feats = head.midlayer.features(head.embed(target, tok), g)
         k, v = attn.kv(feats, pos)
-        kv = write_kv(kv, k, v, slot_of(pos))
-        o = ragged_paged_attention(attn.q(feats, pos), kv, jnp.where(valid, pos + 1, 0), page_indices, cu_q_lens,
-                                   num_seqs, sm_scale=attn.head_dim ** -0.5, max_q_len=1)
+        slots = slot_of(pos)
+        kv = write_kv(kv, k, v, slots)
+        md = AttentionMetadata(slots, jnp.where(valid, pos + 1, 0), page_indices, cu_q_lens, num_seqs,
+                               impl="cpu_kernel" if attention_impl == "cpu_kernel" else "jax")
+        o = paged_attention(attn.q(feats, pos), kv, md, sm_scale=attn.head_dim ** -0.5)
         x = head.midlayer.finish(g, o)
         return kv, x, head.logits(target, x)
 

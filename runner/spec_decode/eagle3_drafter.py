@@ -152,7 +152,7 @@ def _draft_verify(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: TreeDefs
         first = cu_q_lens[:-1]  # each sequence's first token: the one it feeds at c (its drafts follow)
         last = jnp.take(token_ids, first, mode="clip")
         return draft_paged(head, target, kv, hid, last, jnp.take(positions, first, mode="clip") - 1, pages, num_seqs,
-                           num_steps=num_steps)
+                           num_steps=num_steps, attention_impl=md.impl)
 
     head_kv, drafts, chain = _per_replica(draft, num_replicas, on_mesh, cache.kv,
                                           cache.hidden, batch.token_ids, batch.positions, md.cu_q_lens,

@@ -1,0 +1,58 @@
+"""Paged attention of decode and verification steps on XLA:CPU through an FFI kernel
+(`runner/cpu_kernels/paged_attention.cc`).
+
+The pure-JAX `ragged_paged_attention` walks each sequence's pages in a `lax.while_loop`; on XLA:CPU
+its iterations cost more in dispatch than in arithmetic at decode sizes, and it runs on one thread.
+The kernel gives each (sequence, KV head) to XLA's intra-op pool and walks the pages 16 keys at a
+time with an online softmax. A query row's result depends only on its own position and context, so
+a verification row equals the decode row at that position bitwise.
+
+Used for steps of at most `MAX_Q_LEN` queries per sequence (prefill keeps the reference's batched
+dots), a float32 cache, one CPU device. Built on first use (`runner.kernel_build`);
+`JAX_ROLLOUT_CPU_ATTENTION=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from runner.kernel_build import KernelStatus, load_kernel
+
+MAX_Q_LEN = 16  # queries per sequence up to which a step uses the kernel (decode: 1, verification: k + 1)
+MAX_HEAD_DIM = 256
+_TARGET = "jax_rollout_paged_attention"
+
+
+@functools.cache
+def load() -> KernelStatus:
+    """Build (once per machine) and register the kernel for this process."""
+    return load_kernel("paged_attention.cc", "JAX_ROLLOUT_CPU_ATTENTION", {_TARGET: "PagedAttention"})
+
+
+def cpu_paged_attention(
+    queries: Float[Array, "T Hq D"],
+    kv_pages: Float[Array, "2 Hkv P page D"],
+    kv_lens: Int[Array, "S"],
+    page_indices: Int[Array, "S W"],
+    cu_q_lens: Int[Array, "S+1"],
+    num_seqs: Int[Array, "1"],
+    *,
+    sm_scale: float,
+) -> Float[Array, "T Hq D"]:
+    """`runner.attention.ragged_paged_attention`'s result from the kernel (needs `load().available`).
+
+    Tokens outside the first `num_seqs` sequences' query ranges, and rows without context, are zero.
+    """
+    if queries.dtype != jnp.float32 or kv_pages.dtype != jnp.float32:
+        raise ValueError(f"the CPU attention kernel is float32 only, got {queries.dtype} queries, {kv_pages.dtype} cache")
+    if queries.shape[-1] > MAX_HEAD_DIM:
+        raise ValueError(f"the CPU attention kernel takes head_dim <= {MAX_HEAD_DIM}, got {queries.shape[-1]}")
+    call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(queries.shape, jnp.float32), vmap_method="sequential")
+    i32 = lambda x: x.astype(jnp.int32)  # noqa: E731
+    return call(queries, kv_pages, i32(kv_lens), i32(page_indices), i32(cu_q_lens), i32(num_seqs),
+                sm_scale=np.float32(sm_scale))
