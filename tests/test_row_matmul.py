@@ -14,7 +14,7 @@ from rollout.sampling_params import SamplingParams
 from runner.model_runner import row_kernel_status
 from runner.models.config import ModelConfig
 from runner.models.llama import Linear, LlamaForCausalLM, with_row_kernel
-from runner.row_matmul import MAX_ROWS, load, row_matmul, row_matmul_nt
+from runner.row_matmul import MAX_ROWS, MAX_ROWS_NT, load, row_matmul, row_matmul_nt
 from runner.sharding import make_mesh
 from tests.test_engine import ByteTokenizer
 
@@ -28,11 +28,13 @@ SHAPES = [(576, 1536), (40, 7), (37, 300), (64, 4099), (33, 20000)]
 @pytest.mark.parametrize("transposed", [False, True])
 def test_values_match_float64_reference(k: int, n: int, transposed: bool) -> None:
     rng = np.random.default_rng(k * n)
-    x = rng.standard_normal((MAX_ROWS, k), dtype=np.float32)
+    max_rows = MAX_ROWS_NT if transposed else MAX_ROWS
+    x = rng.standard_normal((max_rows, k), dtype=np.float32)
     w = rng.standard_normal((n, k) if transposed else (k, n), dtype=np.float32)
     want = x.astype(np.float64) @ (w.T if transposed else w).astype(np.float64)
     fn = jax.jit(row_matmul_nt if transposed else row_matmul)
-    for rows in range(1, MAX_ROWS + 1):
+    # every register-block size (1..8 rows together; past 8, groups of 6 and a remainder)
+    for rows in sorted({*range(1, min(max_rows, 8) + 1), *[r for r in (9, 12, 13, 17, 31, 64) if r <= max_rows]}):
         got = np.asarray(fn(jnp.asarray(x[:rows]), jnp.asarray(w)))
         scale = np.abs(x[:rows]).astype(np.float64) @ np.abs(w.T if transposed else w)
         assert got.shape == (rows, n)
@@ -44,11 +46,12 @@ def test_each_row_is_independent_of_the_others(transposed: bool) -> None:
     """Row r of an M-row product is bitwise the 1-row product of row r (XLA's GEMV and GEMM differ)."""
     rng = np.random.default_rng(1)
     k, n = 576, 3000
-    x = jnp.asarray(rng.standard_normal((MAX_ROWS, k), dtype=np.float32))
+    max_rows = MAX_ROWS_NT if transposed else MAX_ROWS
+    x = jnp.asarray(rng.standard_normal((max_rows, k), dtype=np.float32))
     w = jnp.asarray(rng.standard_normal((n, k) if transposed else (k, n), dtype=np.float32))
     fn = jax.jit(row_matmul_nt if transposed else row_matmul)
     full = np.asarray(fn(x, w))
-    for rows in (1, 2, 4, 5):
+    for rows in (1, 2, 4, 5) if transposed else (1, 2, 5, 8, 9, 13):
         for r in range(rows):
             np.testing.assert_array_equal(np.asarray(fn(x[r:r + rows], w))[0], full[r])
 
@@ -71,13 +74,14 @@ TIED = ModelConfig(family="qwen3", vocab_size=300, hidden_size=48, intermediate_
 
 
 def test_model_with_the_kernel_computes_the_same_logits() -> None:
-    """Up to MAX_ROWS tokens take the kernel (Linear layers and the tied output projection); more take
-    XLA's dot; the original model object is left unchanged."""
+    """Up to MAX_ROWS tokens take the kernel in Linear layers, up to MAX_ROWS_NT in the tied output
+    projection; more take XLA's dot; the original model object is left unchanged."""
     model = LlamaForCausalLM(TIED, rngs=nnx.Rngs(0))
     fast = with_row_kernel(model, MAX_ROWS)
     assert all(m.row_kernel_max_rows == 0 for _, m in nnx.iter_modules(model) if isinstance(m, Linear))
-    assert fast.row_kernel_max_rows == MAX_ROWS
-    for seq in (1, 4, 8, 12):
+    assert all(m.row_kernel_max_rows == MAX_ROWS for _, m in nnx.iter_modules(fast) if isinstance(m, Linear))
+    assert fast.row_kernel_max_rows == MAX_ROWS_NT
+    for seq in (1, 4, 8, 12, MAX_ROWS + 3):
         ids = jnp.asarray(np.arange(seq)[None] * 7 % TIED.vocab_size)
         pos = jnp.arange(seq)[None]
         a = jax.jit(lambda m, i, p: m.compute_logits(m.hidden_states(i, p)))(model, ids, pos)

@@ -2,12 +2,13 @@
 //
 // XLA:CPU runs a 1-row dot as a single-threaded GEMV and 2..8 rows as a YNNPACK GEMM that reads the
 // weights at about half the memory bandwidth, so a B=1 verification step (k + 1 rows) cost ~1.7x a
-// decode step. These kernels stream the weights once for all rows on all the pool's threads.
+// decode step. These kernels stream the weights once for all rows on all the pool's threads; past 8
+// rows (RowMatmul, up to 64) groups of rows take turns on each cached panel of the weights.
 // Each output is summed in the same order whatever the row count, so row r of an M-row product is
 // bitwise the 1-row product of row r (a verification step rounds exactly as plain decoding).
 //
-//   RowMatmul:   y[M, N] = x[M, K] @ w[K, N]       (Flax kernels, [in, out])
-//   RowMatmulNT: y[M, N] = x[M, K] @ w[N, K]^T     (a tied embedding as the output projection)
+//   RowMatmul:   y[M, N] = x[M, K] @ w[K, N]       (Flax kernels, [in, out]; M <= 64)
+//   RowMatmulNT: y[M, N] = x[M, K] @ w[N, K]^T     (a tied embedding as the output projection; M <= 8)
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -20,7 +21,9 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kMaxRows = 8;
+constexpr int kMaxRows = 64;        // RowMatmul; RowMatmulNT takes up to 8
+constexpr int kGroupRows = 6;       // rows per register block past 8 rows: 6 x 4 accumulators + 4 weights
+constexpr int64_t kGroupRowBlock = 512;  // weight rows per block past 8 rows
 constexpr int64_t kRowBlock = 32;  // weight rows read together (RowMatmul): 32 concurrent streams
 constexpr int kStripVectors = 4;   // 64 output columns held in registers per row (RowMatmul)
 constexpr int kNtAlign = 24;       // RowMatmulNT column chunks: a multiple of every block size J
@@ -45,8 +48,40 @@ inline float hsum(v16 v) {  // a fixed tree: 16 -> 8 -> 4 -> 1
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-// Columns [n0, n1) of y = x[:, kb:ke] @ w[kb:ke], w [K, N]: for each block of weight rows, a strip of
-// columns is accumulated in registers; y holds the partial sums between row blocks.
+// One strip of 64 columns starting at n, rows [0, M) of y (+)= x[:, k0:k1] @ w[k0:k1]: the strip's
+// accumulators live in registers; `first`: y holds nothing yet. Each output sums its terms in k order.
+// `ws` points at w[k0, n] and steps `ldw` floats per weight row.
+template <int M>
+inline void nn_strip(const float* __restrict x, const float* __restrict ws, int64_t ldw, float* __restrict y,
+                     int64_t K, int64_t N, int64_t n, int64_t k0, int64_t k1, bool first) {
+  v16 acc[M][kStripVectors];
+  for (int m = 0; m < M; ++m)
+    for (int u = 0; u < kStripVectors; ++u) acc[m][u] = first ? v16{} : load(y + m * N + n + 16 * u);
+  for (int64_t k = k0; k < k1; ++k) {
+    v16 wv[kStripVectors];
+    for (int u = 0; u < kStripVectors; ++u) wv[u] = load(ws + (k - k0) * ldw + 16 * u);
+    for (int m = 0; m < M; ++m) {
+      const float xs = x[m * K + k];
+      for (int u = 0; u < kStripVectors; ++u) acc[m][u] += xs * wv[u];  // one FMA (-ffp-contract=fast)
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int u = 0; u < kStripVectors; ++u) store(y + m * N + n + 16 * u, acc[m][u]);
+}
+
+// Columns past the last whole strip, one at a time.
+inline void nn_tail(int rows, const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t n,
+                    int64_t n1, int64_t k0, int64_t k1, bool first) {
+  for (; n < n1; ++n)
+    for (int m = 0; m < rows; ++m) {
+      float acc = first ? 0.f : y[m * N + n];
+      for (int64_t k = k0; k < k1; ++k) acc = __builtin_fmaf(x[m * K + k], w[k * N + n], acc);
+      y[m * N + n] = acc;
+    }
+}
+
+// Columns [n0, n1) of y = x[:, kb:ke] @ w[kb:ke], w [K, N], for M <= 8 rows (bandwidth-bound): all rows
+// share each pass over a block of weight rows; y holds the partial sums between blocks.
 template <int M>
 void nn_columns(const float* __restrict x, const float* __restrict w, float* __restrict y,
                 int64_t K, int64_t N, int64_t n0, int64_t n1, int64_t kb, int64_t ke) {
@@ -54,27 +89,38 @@ void nn_columns(const float* __restrict x, const float* __restrict w, float* __r
   for (int64_t k0 = kb; k0 < ke; k0 += kRowBlock) {
     const int64_t k1 = std::min(ke, k0 + kRowBlock);
     int64_t n = n0;
+    for (; n + strip <= n1; n += strip) nn_strip<M>(x, w + k0 * N + n, N, y, K, N, n, k0, k1, k0 == kb);
+    nn_tail(M, x, w, y, K, N, n, n1, k0, k1, k0 == kb);
+  }
+}
+
+// The same for 9..kMaxRows rows (compute-bound): each strip of a block of weight rows is copied into a
+// contiguous panel (rows N floats apart alias a few L1 sets), then groups of kGroupRows rows take turns
+// on it. A row's arithmetic is the same as in nn_columns.
+void nn_columns_grouped(int rows, const float* __restrict x, const float* __restrict w, float* __restrict y,
+                        int64_t K, int64_t N, int64_t n0, int64_t n1, int64_t kb, int64_t ke) {
+  constexpr int64_t strip = 16 * kStripVectors;
+  alignas(64) float panel[kGroupRowBlock * strip];
+  for (int64_t k0 = kb; k0 < ke; k0 += kGroupRowBlock) {
+    const int64_t k1 = std::min(ke, k0 + kGroupRowBlock);
+    const bool first = k0 == kb;
+    int64_t n = n0;
     for (; n + strip <= n1; n += strip) {
-      v16 acc[M][kStripVectors];
-      for (int m = 0; m < M; ++m)
-        for (int u = 0; u < kStripVectors; ++u) acc[m][u] = k0 == kb ? v16{} : load(y + m * N + n + 16 * u);
-      for (int64_t k = k0; k < k1; ++k) {
-        v16 wv[kStripVectors];
-        for (int u = 0; u < kStripVectors; ++u) wv[u] = load(w + k * N + n + 16 * u);
-        for (int m = 0; m < M; ++m) {
-          const float xs = x[m * K + k];
-          for (int u = 0; u < kStripVectors; ++u) acc[m][u] += xs * wv[u];  // one FMA (-ffp-contract=fast)
+      for (int64_t k = k0; k < k1; ++k) std::memcpy(panel + (k - k0) * strip, w + k * N + n, strip * sizeof(float));
+      for (int m0 = 0; m0 < rows; m0 += kGroupRows) {
+        const float* xg = x + m0 * K;
+        float* yg = y + m0 * N;
+        switch (std::min(kGroupRows, rows - m0)) {
+          case 1: nn_strip<1>(xg, panel, strip, yg, K, N, n, k0, k1, first); break;
+          case 2: nn_strip<2>(xg, panel, strip, yg, K, N, n, k0, k1, first); break;
+          case 3: nn_strip<3>(xg, panel, strip, yg, K, N, n, k0, k1, first); break;
+          case 4: nn_strip<4>(xg, panel, strip, yg, K, N, n, k0, k1, first); break;
+          case 5: nn_strip<5>(xg, panel, strip, yg, K, N, n, k0, k1, first); break;
+          default: nn_strip<kGroupRows>(xg, panel, strip, yg, K, N, n, k0, k1, first); break;
         }
       }
-      for (int m = 0; m < M; ++m)
-        for (int u = 0; u < kStripVectors; ++u) store(y + m * N + n + 16 * u, acc[m][u]);
     }
-    for (; n < n1; ++n)
-      for (int m = 0; m < M; ++m) {
-        float acc = k0 == kb ? 0.f : y[m * N + n];
-        for (int64_t k = k0; k < k1; ++k) acc = __builtin_fmaf(x[m * K + k], w[k * N + n], acc);
-        y[m * N + n] = acc;
-      }
+    nn_tail(rows, x, w, y, K, N, n, n1, k0, k1, first);
   }
 }
 
@@ -125,6 +171,8 @@ void block(const float* x, const float* w, float* y, int64_t K, int64_t N, int64
 template <bool NT>
 void run_block(int rows, const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1,
                int64_t kb, int64_t ke) {
+  if constexpr (!NT)
+    if (rows > 8) return nn_columns_grouped(rows, x, w, y, K, N, n0, n1, kb, ke);
   switch (rows) {
     case 1: return block<NT, 1>(x, w, y, K, N, n0, n1, kb, ke);
     case 2: return block<NT, 2>(x, w, y, K, N, n0, n1, kb, ke);
@@ -174,8 +222,8 @@ ffi::Error run(bool nt, ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   const auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("row_matmul: x and w must be 2-D");
   const int64_t rows = xd[0], K = xd[1], N = nt ? wd[0] : wd[1];
-  if (rows < 1 || rows > kMaxRows || (nt ? wd[1] : wd[0]) != K)
-    return ffi::Error::InvalidArgument("row_matmul: x must be [1..8, K] and w [K, N] (NT: [N, K])");
+  if (rows < 1 || rows > (nt ? 8 : kMaxRows) || (nt ? wd[1] : wd[0]) != K)
+    return ffi::Error::InvalidArgument("row_matmul: x must be [1..64, K] and w [K, N] (NT: [1..8, K] and [N, K])");
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   auto work = std::make_shared<Work>();
   work->nt = nt;

@@ -19,7 +19,7 @@ from jaxtyping import Array, Float, Int
 
 from runner.attention import AttentionMetadata, causal_attention, paged_attention, write_kv
 from runner.models.config import ModelConfig
-from runner.row_matmul import row_matmul, row_matmul_nt
+from runner.row_matmul import MAX_ROWS_NT, row_matmul, row_matmul_nt
 
 KVCaches = tuple[Float[Array, "2 Hkv P page D"], ...]
 
@@ -241,10 +241,13 @@ ModuleT = TypeVar("ModuleT", bound=nnx.Module)
 
 
 def with_row_kernel(module: ModuleT, max_rows: int) -> ModuleT:
-    """A copy of `module` (sharing its arrays) whose `Linear` layers and tied output projection compute
-    steps of up to `max_rows` rows with `runner.row_matmul` (0: XLA's dot everywhere)."""
+    """A copy of `module` (sharing its arrays) whose `Linear` layers compute steps of up to `max_rows`
+    rows with `runner.row_matmul`, its tied output projection up to min(max_rows, MAX_ROWS_NT) (0: XLA's
+    dot everywhere)."""
     copy = nnx.merge(*nnx.split(module))
     for _, sub in nnx.iter_modules(copy):
-        if isinstance(sub, (Linear, LlamaForCausalLM)):
+        if isinstance(sub, Linear):
             sub.row_kernel_max_rows = max_rows
+        elif isinstance(sub, LlamaForCausalLM):
+            sub.row_kernel_max_rows = min(max_rows, MAX_ROWS_NT)
     return copy
