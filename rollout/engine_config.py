@@ -91,7 +91,7 @@ class EngineStats:
     num_weight_syncs: int = 0
     generate_seconds: float = 0.0
     speculative: SpecStats | None = None  # drafting counters when speculation is configured
-    cpu_row_kernel: str = ""  # "ok": steps of <= 8 rows use runner.row_matmul; else why XLA's dot
+    cpu_row_kernel: str = ""  # "ok": steps of <= 64 rows use runner.row_matmul (tied head <= 8); else why XLA's dot
     attention_impl: str = ""  # the attention kernel of decode / verification steps (runner.attention.ATTENTION_IMPLS)
 
     @property

@@ -58,7 +58,7 @@ def _sampled_rows(out: SamplerOutput, rows: np.ndarray, num_top: int) -> StepRes
 
 
 def row_kernel_status(mesh: Mesh, model: LlamaForCausalLM) -> KernelStatus:
-    """Whether the engine's few-row steps (decode at B <= 8, B=1 verification) use `runner.row_matmul`:
+    """Whether the engine's few-row steps (decode at B <= 64, verification up to 64 rows) use `runner.row_matmul`:
     float32 on one CPU device (the kernel has no partitioning rule, so never on a mesh)."""
     cfg = model.config
     if any(d.platform != "cpu" for d in mesh.devices.flat):
