@@ -81,3 +81,12 @@ def test_engine_uses_the_kernel_and_matches_the_pure_jax_path() -> None:
             assert a.outputs[0].token_ids == b.outputs[0].token_ids
             np.testing.assert_allclose([t.logprob for t in a.outputs[0].logprobs],
                                        [t.logprob for t in b.outputs[0].logprobs], atol=1e-5)
+
+
+def test_the_kernel_on_a_mesh_is_a_clear_error() -> None:
+    """"auto" keeps the pure-JAX path on a mesh; asking for the kernel there says why it cannot run."""
+    model = make_model()
+    engine = Engine.from_model(model, ByteTokenizer(), **ENGINE_KW, mesh=(2, 1))
+    assert engine.stats().attention_impl == "jax"
+    with pytest.raises(ValueError, match="one CPU device"):
+        Engine.from_model(model, ByteTokenizer(), **ENGINE_KW, mesh=(2, 1), attention_backend="cpu_kernel")
