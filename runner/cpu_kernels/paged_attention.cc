@@ -32,7 +32,7 @@ typedef int32_t i16 __attribute__((vector_size(64)));
 
 constexpr int kTile = 16;                     // keys per tile: one vector of scores
 constexpr float kMask = -0.7f * FLT_MAX;      // as runner.attention.MASK_VALUE
-constexpr int64_t kSerialRowKeys = 1 << 15;   // below this many (query row x key) pairs, one thread
+constexpr int64_t kSerialRowKeys = 1 << 12;  // below this many (query row x key) pairs, one thread
 
 inline v16 load(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
 inline void store(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
