@@ -23,6 +23,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from runner.cpu_attention import MAX_HEAD_DIM, MAX_Q_LEN, cpu_paged_attention
+from runner.cpu_attention import load as load_cpu_attention
+
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 MULTIPLY_REDUCE_MAX_ROWS = 24  # query rows per (sequence, KV head) up to which scores skip the dot
 
@@ -62,9 +65,7 @@ def auto_attention_impl(backend: str, platform: str, model_axis: int, cache_dtyp
     if model_axis != 1:
         return "jax"
     if platform == "cpu" and num_devices == 1 and jnp.dtype(cache_dtype) == jnp.float32:
-        from runner.cpu_attention import load
-
-        return "cpu_kernel" if load().available else "jax"
+        return "cpu_kernel" if load_cpu_attention().available else "jax"
     if platform == "gpu":
         return "pallas_gpu"
     if platform == "tpu" and jnp.dtype(cache_dtype) == jnp.bfloat16:
@@ -92,8 +93,6 @@ def paged_attention(
     if md.impl not in ATTENTION_IMPLS:
         raise ValueError(f"unknown attention impl {md.impl!r}; choose one of {ATTENTION_IMPLS}")
     if md.impl == "cpu_kernel":
-        from runner.cpu_attention import MAX_HEAD_DIM, MAX_Q_LEN, cpu_paged_attention
-
         if md.max_q_len <= MAX_Q_LEN and queries.dtype == kv_pages.dtype == jnp.float32 and queries.shape[-1] <= MAX_HEAD_DIM:
             return cpu_paged_attention(queries, kv_pages, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
                                        sm_scale=sm_scale)

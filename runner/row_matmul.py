@@ -6,8 +6,8 @@ took 24 / 31 / 40 / 50 ms for 1 / 2 / 4 / 8 rows; the kernel (all rows per pass 
 each of XLA's intra-op threads streaming one contiguous part of them) 21 / 23 / 25 / 31-33 ms.
 Decode at B <= 8 and B=1 verification steps are such few-row steps. From 9 to 64 rows (`x @ w`
 only) groups of 6 rows take turns on each panel of weights while it is in cache: the 30 layers'
-matmuls at 16 / 32 rows ~1.25x faster than XLA's, at 64 rows about the same (engine, R1 greedy B=32
-1.18x, B=64 1.02x). Each output is summed in the same order whatever the row count, so a row's
+matmuls at 16 / 32 rows ~1.25x faster than XLA's, at 64 rows about the same (throwaway timings,
+docs/engineering-notes.md). Each output is summed in the same order whatever the row count, so a row's
 result does not depend on which other rows share the step.
 
 The kernel is built on first use (`runner.kernel_build`: AVX-512 CPUs with a C++ compiler); `load()`

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -119,9 +120,18 @@ void attend(const Problem& pb, int64_t s, int64_t h) {
   const int64_t kv_len = pb.kv_lens[s];
   if (q_len <= 0 || kv_len <= 0 || q_start < 0 || q_start + q_len > pb.num_tokens) return;
   const int64_t group = pb.num_q_heads / pb.num_kv_heads, rows = q_len * group;
-  std::unique_ptr<v16[]> qv(new v16[rows * DV]), acc(new v16[rows * DV]);
-  std::unique_ptr<float[]> m(new float[rows]), l(new float[rows]);
-  std::unique_ptr<int64_t[]> pos(new int64_t[rows]);
+  // Per-row state in buffers each thread keeps across calls (no allocation per item on the hot path).
+  thread_local std::vector<v16> vectors;
+  thread_local std::vector<float> scalars;
+  thread_local std::vector<int64_t> positions;
+  vectors.resize(std::max<size_t>(vectors.size(), 2 * rows * DV));
+  scalars.resize(std::max<size_t>(scalars.size(), 2 * rows));
+  positions.resize(std::max<size_t>(positions.size(), rows));
+  v16* qv = vectors.data();
+  v16* acc = qv + rows * DV;
+  float* m = scalars.data();
+  float* l = m + rows;
+  int64_t* pos = positions.data();
   for (int64_t i = 0; i < q_len; ++i)
     for (int64_t g = 0; g < group; ++g) {
       const int64_t r = i * group + g;
