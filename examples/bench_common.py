@@ -131,18 +131,21 @@ def measure_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5) -> dict[str, 
 
 
 def measure_matmul_flops(shapes: Sequence[tuple[int, int, int]] = ((64, 576, 1536), (512, 576, 1536), (1024, 1024, 1024)),
-                         repeats: int = 5) -> dict[str, float]:
-    """f32 matmul FLOP/s of jitted `[M, K] @ [K, N]` (model-shaped: hidden 576, MLP 1536), best of
-    `repeats` per shape; `flops` is the largest (again an upper bound)."""
+                         repeats: int = 5, dtype: str = "float32") -> dict[str, float]:
+    """Matmul FLOP/s of jitted `[M, K] @ [K, N]` in `dtype` (model-shaped: hidden 576, MLP 1536), best
+    of `repeats` per shape; `flops` is the largest (again an upper bound). On an accelerator a
+    4096^3 product joins the shapes (the small ones are launch-bound there)."""
     import jax
     import jax.numpy as jnp
 
     out: dict[str, float] = {}
     rng = np.random.default_rng(0)
     mm = jax.jit(jnp.matmul)
+    if jax.default_backend() != "cpu":
+        shapes = (*shapes, (4096, 4096, 4096))
     for m, k, n in shapes:
-        a = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32))
-        b = jnp.asarray(rng.standard_normal((k, n), dtype=np.float32))
+        a = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32), dtype=dtype)
+        b = jnp.asarray(rng.standard_normal((k, n), dtype=np.float32), dtype=dtype)
         mm(a, b).block_until_ready()
         reps = max(repeats, int(2e9 // (2 * m * k * n)))  # at least ~2 GFLOP per measurement
         s = _best_of(lambda: mm(a, b).block_until_ready(), reps)
@@ -151,9 +154,18 @@ def measure_matmul_flops(shapes: Sequence[tuple[int, int, int]] = ((64, 576, 153
     return out
 
 
-def roofline_tokens_per_s(batch: int, bandwidth: float, flops: float) -> float:
-    """Upper bound on decode tokens/s at batch size `batch`: min(memory bound, compute bound)."""
-    return min(bandwidth / WEIGHT_BYTES_PER_STEP * batch, flops / FLOPS_PER_TOKEN)
+def roofline_tokens_per_s(batch: int, bandwidth: float, flops: float, weight_bytes: float = WEIGHT_BYTES_PER_STEP) -> float:
+    """Upper bound on decode tokens/s at batch size `batch`: min(memory bound, compute bound);
+    `weight_bytes` read per step (half of the float32 figure in bfloat16)."""
+    return min(bandwidth / weight_bytes * batch, flops / FLOPS_PER_TOKEN)
+
+
+def accelerator_peak_bytes() -> int | None:
+    """Peak bytes in use on JAX's first device since start, where the backend reports it (GPU, TPU)."""
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
 
 
 def r1_prompt(i: int) -> str:

@@ -23,6 +23,11 @@ min(bandwidth / 0.54 GB x B, FLOP/s / 0.27 GFLOP), both machine figures measured
 this run. Our side runs first; the engine is then freed and the HF model loaded, so the HF
 column's RSS includes whatever the freed engine left behind (`rss_*` fields in the JSON say how much).
 
+On a GPU (`JAX_PLATFORMS=cuda`; `examples/bench_gpu.sh` runs every GPU check in one go) the baseline
+runs on the same GPU (CUDA PyTorch), float32 matmuls are true float32 on both sides
+(`jax_default_matmul_precision="float32"`, PyTorch's default: JAX would otherwise use TF32), and the
+table adds the peak device memory of each side; `--dtype bfloat16` runs both sides in bfloat16.
+
 Run: `python examples/bench_rollout.py` (full; slow on a small CPU), `--quick` to smoke-test,
 `--no-baseline` to skip transformers, `--workloads R1`, `--batch-sizes 1,8`, `--repeats 5`,
 `--json-out out.json`, `--top-p 0.95` / `--top-k 50` (nucleus / top-k sampling in every sampling run,
@@ -103,7 +108,7 @@ def run_ours(args: argparse.Namespace, runs: list[dict[str, Any]], tok: Any, max
 
     rss0 = bc.current_rss_bytes()
     t0 = time.perf_counter()
-    engine = Engine.from_pretrained(None, max_num_seqs=64, max_model_len=max_model_len,
+    engine = Engine.from_pretrained(None, dtype=args.dtype, max_num_seqs=64, max_model_len=max_model_len,
                                     max_num_batched_tokens=args.max_num_batched_tokens)
     load_s = time.perf_counter() - t0
     rss_loaded = bc.current_rss_bytes()
@@ -163,7 +168,8 @@ def run_ours(args: argparse.Namespace, runs: list[dict[str, Any]], tok: Any, max
     stats = engine.stats()
     info = dict(load_s=round(load_s, 2), rss_before_load=rss0, rss_after_load=rss_loaded,
                 num_compilations=stats.num_compilations, num_preemptions=stats.num_preemptions,
-                param_bytes=int(sum(x.nbytes for x in __import__("jax").tree.leaves(engine.runner.params))))
+                param_bytes=int(sum(x.nbytes for x in __import__("jax").tree.leaves(engine.runner.params))),
+                device_peak_bytes=bc.accelerator_peak_bytes())
     del engine
     gc.collect()
     info["rss_after_free"] = bc.current_rss_bytes()
@@ -181,13 +187,14 @@ def run_hf(args: argparse.Namespace, runs: list[dict[str, Any]], pad_id: int) ->
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     settings = bc.cpu_settings(torch)
-    print(f"torch {torch.__version__}: num_threads={settings['torch_num_threads']} "
+    device = "cuda" if args.platform == "gpu" and torch.cuda.is_available() else "cpu"
+    print(f"torch {torch.__version__} on {device}: num_threads={settings['torch_num_threads']} "
           f"interop_threads={settings['torch_num_interop_threads']} (defaults)", flush=True)
     gguf = default_model_path()
     rss0 = bc.current_rss_bytes()
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf),
-                                                 dtype=torch.float32)
+                                                 dtype=getattr(torch, args.dtype)).to(device)
     model.eval()
     load_s = time.perf_counter() - t0
     rss_loaded = bc.current_rss_bytes()
@@ -204,6 +211,7 @@ def run_hf(args: argparse.Namespace, runs: list[dict[str, Any]], pad_id: int) ->
         for j, p in enumerate(r["prompts"]):  # left padding
             ids[j, width - len(p):] = torch.tensor(p)
             mask[j, width - len(p):] = 1
+        ids, mask = ids.to(device), mask.to(device)
         kw: dict[str, Any] = dict(attention_mask=mask, max_new_tokens=r["max_tokens"], min_new_tokens=r["max_tokens"],
                                   pad_token_id=pad_id, num_return_sequences=r["n"])
         if r["temperature"] == 0.0:
@@ -219,11 +227,11 @@ def run_hf(args: argparse.Namespace, runs: list[dict[str, Any]], pad_id: int) ->
             with torch.inference_mode():
                 out = model.generate(ids, **kw)
                 if not want_lp:
-                    return out[:, width:], None
+                    return out[:, width:].cpu(), None
                 new = out.sequences[:, width:]
                 logits = torch.stack(out.logits, dim=1)  # [B, T, V] raw logits
                 lp = torch.log_softmax(logits.float(), dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
-                return new, lp
+                return new.cpu(), lp.cpu()  # the copy waits for the GPU
 
         med, times, (new, _), peak = bc.timed_median(call, args.repeats)
         tokens = int(new.numel())
@@ -244,7 +252,8 @@ def run_hf(args: argparse.Namespace, runs: list[dict[str, Any]], pad_id: int) ->
             r["hf"] = done.get(r["hf_same_as"])
     info = dict(load_s=round(load_s, 2), rss_before_load=rss0, rss_after_load=rss_loaded,
                 torch_version=torch.__version__, torch_num_threads=settings["torch_num_threads"],
-                torch_num_interop_threads=settings["torch_num_interop_threads"])
+                torch_num_interop_threads=settings["torch_num_interop_threads"], device=device,
+                device_peak_bytes=torch.cuda.max_memory_allocated() if device == "cuda" else None)
     del model
     gc.collect()
     return info
@@ -260,6 +269,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--batch-sizes", default=None, help="R1 batch sizes (default 1,8,32,64)")
     ap.add_argument("--workloads", default="R1,R2")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights and compute, both sides")
     ap.add_argument("--top-p", type=float, default=1.0,
                     help="top_p of every sampling run, both sides (the workloads say 1.0; 0.95 shows the filter's cost)")
     ap.add_argument("--top-k", type=int, default=0,
@@ -326,19 +336,23 @@ def main() -> None:
 
     from rollout.tokenizer import load_tokenizer
 
+    args.platform = jax.default_backend()
+    if args.platform != "cpu" and args.dtype == "float32":  # true float32, as PyTorch's default (else TF32 on GPUs)
+        jax.config.update("jax_default_matmul_precision", "float32")
     settings = bc.cpu_settings()
     print("CPU settings: " + ", ".join(f"{k}={v!r}" for k, v in settings.items()))
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform} x{jax.device_count()}; "
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform} x{jax.device_count()} ({jax.devices()[0].device_kind}); "
+          f"dtype {args.dtype}, matmul precision {jax.config.jax_default_matmul_precision}; "
           f"repeats={args.repeats}; quick={args.quick}", flush=True)
 
     t0 = time.perf_counter()
     bw = bc.measure_bandwidth(nbytes=(128 if args.quick else 512) * 2**20)
-    fl = bc.measure_matmul_flops(repeats=3 if args.quick else 5)
+    fl = bc.measure_matmul_flops(repeats=3 if args.quick else 5, dtype=args.dtype)
     machine = {**bw, **fl}
     print(f"machine: bandwidth {bw['bandwidth'] / 1e9:.1f} GB/s (numpy copy {bw['numpy_copy_Bps'] / 1e9:.1f}, "
-          f"jax read {bw['jax_read_Bps'] / 1e9:.1f}); f32 matmul {fl['flops'] / 1e9:.1f} GFLOP/s ("
+          f"jax read {bw['jax_read_Bps'] / 1e9:.1f}); matmul {fl['flops'] / 1e9:.1f} GFLOP/s ("
           + ", ".join(f"{k.split('_')[1]} {v / 1e9:.1f}" for k, v in fl.items() if k.startswith("matmul_"))
-          + f"); measured in {time.perf_counter() - t0:.1f}s", flush=True)
+          + f") in {args.dtype}; measured in {time.perf_counter() - t0:.1f}s", flush=True)
 
     tok = load_tokenizer(None)
     runs = build_runs(args, tok)
@@ -355,7 +369,8 @@ def main() -> None:
     rows = []
     for r in runs:
         o, h = r["ours"], r.get("hf")
-        bound = bc.roofline_tokens_per_s(r["seqs"], machine["bandwidth"], machine["flops"])
+        bound = bc.roofline_tokens_per_s(r["seqs"], machine["bandwidth"], machine["flops"],
+                                         bc.WEIGHT_BYTES_PER_STEP * (2 if args.dtype == "bfloat16" else 4) / 4)
         r["roofline_tok_s"] = bound
         r["roofline_fraction"] = o["tok_s"] / bound
         r["ratio_vs_hf"] = o["tok_s"] / h["tok_s"] if h else None
@@ -395,10 +410,15 @@ def main() -> None:
     timed_compiles = sum(r["ours"]["compiles_in_timed_calls"] for r in runs)
     print(f"compiled programs: {ours_info['num_compilations']} ({timed_compiles} during timed calls); "
           f"preemptions {ours_info['num_preemptions']}; process peak RSS {bc.mib(peak)}")
-    print("roofline: min(bandwidth / 0.54 GB x seqs, FLOP/s / 0.27 GFLOP) tokens/s; prefill FLOPs are not in it")
+    if ours_info["device_peak_bytes"] is not None:
+        hf_peak = hf_info["device_peak_bytes"] if hf_info else None
+        print(f"peak device memory: ours {bc.mib(ours_info['device_peak_bytes'])} (JAX, KV cache included)"
+              + (f", HF {bc.mib(hf_peak)} (torch.cuda.max_memory_allocated)" if hf_peak is not None else ""))
+    weight_gb = 0.54 if args.dtype == "float32" else 0.27
+    print(f"roofline: min(bandwidth / {weight_gb} GB x seqs, FLOP/s / 0.27 GFLOP) tokens/s; prefill FLOPs are not in it")
 
     out = dict(
-        bench="rollout", quick=args.quick, repeats=args.repeats, settings={**settings, **({
+        bench="rollout", platform=args.platform, dtype=args.dtype, quick=args.quick, repeats=args.repeats, settings={**settings, **({
             k: hf_info[k] for k in ("torch_version", "torch_num_threads", "torch_num_interop_threads")} if hf_info else {})},
         machine={k: round(v, 1) for k, v in machine.items()}, max_model_len=max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -1,5 +1,8 @@
 """Paged attention against a numpy reference, and the Pallas GPU and TPU kernels (interpret mode) on the same cache.
 
+On a GPU (`JAX_PLATFORMS=cuda JAX_DEFAULT_MATMUL_PRECISION=float32`, as `examples/bench_gpu.sh` runs
+this file) the compiled Pallas GPU kernel joins the interpret-mode ones; elsewhere those cases skip.
+
 The reference gathers each sequence's context from its page table and runs plain causal softmax
 attention in float64; the kernels under test read the paged cache `[2, Hkv, pages, page, D]`.
 """
@@ -24,6 +27,8 @@ from runner.step_inputs import num_common_pages
 from test_engine import ENGINE_KW, ByteTokenizer, make_model, rand_prompt
 
 HKV, GROUP, D, PAGE, NUM_PAGES = 2, 3, 8, 4, 40
+ON_GPU = jax.default_backend() == "gpu"
+GPU_ONLY = pytest.mark.skipif(not ON_GPU, reason="the compiled Pallas GPU kernel needs a GPU (JAX_PLATFORMS=cuda)")
 
 
 def reference(queries: np.ndarray, kv: np.ndarray, q_lens: list[int], kv_lens: list[int],
@@ -153,7 +158,7 @@ def test_write_kv_places_k_and_v_and_drops_out_of_range() -> None:
     assert np.count_nonzero(out) == 2 * 2 * HKV * D
 
 
-@pytest.mark.parametrize("impl", ["pallas_gpu_interpret", "pallas_tpu_interpret"])
+@pytest.mark.parametrize("impl", ["pallas_gpu_interpret", "pallas_tpu_interpret", pytest.param("pallas_gpu", marks=GPU_ONLY)])
 def test_pallas_kernel_reads_the_same_cache(impl: str) -> None:
     """JAX's Pallas paged-attention kernels (interpret mode; the TPU one under TPU interpret mode on CPU)
     on our cache equal the reference.
@@ -185,17 +190,18 @@ def test_auto_attention_impl_keeps_float32_caches_exact() -> None:
     assert auto_attention_impl("pallas_tpu_interpret", "cpu", 1, "float32") == "pallas_tpu_interpret"
 
 
-def test_engine_with_pallas_decode_equals_pure_jax() -> None:
+@pytest.mark.parametrize("impl", ["pallas_gpu_interpret", pytest.param("pallas_gpu", marks=GPU_ONLY)])
+def test_engine_with_pallas_decode_equals_pure_jax(impl: str) -> None:
     model = make_model()
     rng = np.random.default_rng(3)
     prompts = [rand_prompt(rng, n) for n in (5, 19, 11)]
     sp = SamplingParams(temperature=0.8, seed=4, max_tokens=6, logprobs=2)
     outs = {}
-    for impl in ("jax", "pallas_gpu_interpret"):
-        engine = Engine.from_model(model, ByteTokenizer(), **ENGINE_KW, attention_backend=impl)
-        assert engine.runner.attention_impl == impl
-        outs[impl] = engine.generate(prompts, sp)
-    for a, b in zip(outs["jax"], outs["pallas_gpu_interpret"]):
+    for backend in ("jax", impl):
+        engine = Engine.from_model(model, ByteTokenizer(), **ENGINE_KW, attention_backend=backend)
+        assert engine.runner.attention_impl == backend
+        outs[backend] = engine.generate(prompts, sp)
+    for a, b in zip(outs["jax"], outs[impl]):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         np.testing.assert_allclose([t.logprob for t in a.outputs[0].logprobs],
                                    [t.logprob for t in b.outputs[0].logprobs], atol=1e-5)
