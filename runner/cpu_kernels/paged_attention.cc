@@ -147,16 +147,30 @@ void attend(const Problem& pb, int64_t s, int64_t h) {
   const int32_t* table = pb.pages + s * pb.table_width;
   const float* key_at[kTile];
   const float* value_at[kTile];
-  v16 dots[kTile];
-  alignas(64) float p[kTile];
-  for (int64_t t0 = 0; t0 < kv_len; t0 += kTile) {
-    for (int t = 0; t < kTile; ++t) {  // tile keys past the context read a clipped page and are masked
+  // The keys of the tile at t0 (those past the context read a clipped page and are masked).
+  auto locate = [&](int64_t t0, const float** keys, const float** values) {
+    for (int t = 0; t < kTile; ++t) {
       const int64_t key = std::min(t0 + t, kv_len - 1);
       const int64_t col = std::min(key / pb.page_size, pb.table_width - 1);
       const int64_t page = std::clamp<int64_t>(table[col], 0, pb.total_pages - 1);
       const int64_t offset = page * page_floats + (key % pb.page_size) * D;
-      key_at[t] = k_head + offset;
-      value_at[t] = v_head + offset;
+      keys[t] = k_head + offset;
+      values[t] = v_head + offset;
+    }
+  };
+  v16 dots[kTile];
+  alignas(64) float p[kTile];
+  for (int64_t t0 = 0; t0 < kv_len; t0 += kTile) {
+    locate(t0, key_at, value_at);
+    if (t0 + kTile < kv_len) {  // the next tile's K and V lines on their way from memory while this one computes
+      const float* keys[kTile];
+      const float* values[kTile];
+      locate(t0 + kTile, keys, values);
+      for (int t = 0; t < kTile; ++t)
+        for (int64_t f = 0; f < D; f += 16) {
+          __builtin_prefetch(keys[t] + f);
+          __builtin_prefetch(values[t] + f);
+        }
     }
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t valid = std::min<int64_t>(kTile, std::min(pos[r] + 1, kv_len) - t0);
