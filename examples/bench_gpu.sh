@@ -7,6 +7,7 @@
 #
 #   bash examples/bench_gpu.sh [OUT_DIR] [STEPS]     STEPS: comma-separated, default all of
 #                                                    env,tests,rollout,smollm,spec,bf16 (QUICK=1: --quick)
+# Exits 1 if any step failed or ran out of time (every step still runs).
 #
 # tests:   the attention tests (the compiled Pallas GPU kernel included; the interpret-mode cases need
 #          the CPU platform too, hence JAX_PLATFORMS=cuda,cpu) and the model oracle, in true float32
@@ -21,9 +22,12 @@ out=${1:-gpu_results}
 steps=",${2:-env,tests,rollout,smollm,spec,bf16},"
 mkdir -p "$out"
 log="$out/log.txt"
-export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.6
+# JAX takes 60% of the GPU's memory up front, leaving the rest to the PyTorch baseline in the same process.
+export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} PYTHONUNBUFFERED=1
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.6}
 py=${PYTHON:-python3}
-quick=${QUICK:+--quick}
+quick=$([ "${QUICK:-0}" = 1 ] && echo --quick)
+failed=0
 f32=(env JAX_DEFAULT_MATMUL_PRECISION=float32)
 
 step() {  # step NAME SECONDS COMMAND...: run if NAME is selected, under a time limit, appending to the log
@@ -32,7 +36,9 @@ step() {  # step NAME SECONDS COMMAND...: run if NAME is selected, under a time 
   [[ $steps == *",$name,"* ]] || return 0
   echo "=== $name (limit ${limit}s): $*" | tee -a "$log"
   timeout "$limit" "$@" 2>&1 | tr '\r' '\n' | grep --line-buffered -v "de-quantizing GGUF" | tee -a "$log"
-  echo "=== $name: exit ${PIPESTATUS[0]} after $((SECONDS - t0))s" | tee -a "$log"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name: exit $rc after $((SECONDS - t0))s" | tee -a "$log"
+  [ "$rc" = 0 ] || failed=1
 }
 
 step env 60 bash -c "nvidia-smi -L; $py -c 'import jax, flax, numpy, torch, transformers; \
@@ -46,3 +52,4 @@ step smollm 180 "${f32[@]}" $py -m pytest -q -rfE -p no:cacheprovider tests/test
 step spec 300 "${f32[@]}" $py examples/bench_spec.py $quick --batch-sizes 1 --json-out "$out/spec_ngram.json"
 step bf16 150 $py examples/bench_rollout.py $quick --dtype bfloat16 --batch-sizes 64 --workloads R1 \
   --json-out "$out/rollout_bf16.json"
+exit $failed

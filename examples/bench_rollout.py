@@ -187,7 +187,10 @@ def run_hf(args: argparse.Namespace, runs: list[dict[str, Any]], pad_id: int) ->
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     settings = bc.cpu_settings(torch)
-    device = "cuda" if args.platform == "gpu" and torch.cuda.is_available() else "cpu"
+    if args.platform == "gpu" and not torch.cuda.is_available():
+        raise SystemExit(f"the engine ran on a GPU but this torch ({torch.__version__}) has no CUDA: the baseline would "
+                         "run on the CPU and the ratio would mean nothing; install a CUDA torch or pass --no-baseline")
+    device = "cuda" if args.platform == "gpu" else "cpu"
     print(f"torch {torch.__version__} on {device}: num_threads={settings['torch_num_threads']} "
           f"interop_threads={settings['torch_num_interop_threads']} (defaults)", flush=True)
     gguf = default_model_path()
