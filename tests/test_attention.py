@@ -1,6 +1,6 @@
 """Paged attention against a numpy reference, and the Pallas GPU and TPU kernels (interpret mode) on the same cache.
 
-On a GPU (`JAX_PLATFORMS=cuda JAX_DEFAULT_MATMUL_PRECISION=float32`, as `examples/bench_gpu.sh` runs
+On a GPU (`JAX_PLATFORMS=cuda,cpu JAX_DEFAULT_MATMUL_PRECISION=float32`, as `examples/bench_gpu.sh` runs
 this file) the compiled Pallas GPU kernel joins the interpret-mode ones; elsewhere those cases skip.
 
 The reference gathers each sequence's context from its page table and runs plain causal softmax
