@@ -10,73 +10,27 @@ This file owns `load_tokenizer(path)` and the `Tokenizer` class. A tokenizer com
     so ids match `AutoTokenizer.from_pretrained(dir, gguf_file=name)` exactly;
   * None: the embedded default model (`runner.models.default_model.default_model_path()`).
 
-Chat templates are rendered with a sandboxed jinja2 environment set up like transformers' (trim_blocks,
-lstrip_blocks, loopcontrols, a non-escaping `tojson`, `raise_exception`, `strftime_now`).
+GGUF metadata becomes a `tokenizers.Tokenizer` in `rollout/gguf_tokenizer.py`; chat templates render
+in `rollout/chat_template.py`.
 Only `tokenizers`, `jinja2` and `gguf` are used at runtime; never torch or transformers.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import os
-from collections.abc import Mapping, Sequence
-from datetime import datetime
+from collections.abc import Sequence
 from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.nodes
-import jinja2.parser
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
+from tokenizers import AddedToken, processors
 from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers.models import BPE
+
+from rollout.chat_template import compile_template
+from rollout.gguf_tokenizer import gguf_backend, read_gguf_tokenizer_fields
 
 __all__ = ["Tokenizer", "load_tokenizer"]
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
-
-# GGUF token types (llama.cpp `llama_token_type`).
-_GGUF_CONTROL = 3
-_GGUF_USER_DEFINED = 4
-
-# Pre-tokenizer split regexes by `tokenizer.ggml.pre`, copied from transformers' GGUF converter. A name
-# not listed here (SmolLM2's "smollm", GPT-2's "gpt-2", ...) keeps the GPT-2 `ByteLevel` regex, as there.
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_TEKKEN_SPLIT = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_GPT4O_SPLIT = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN35_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
-    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_GGUF_PRE_TOKENIZER_SPLITS: dict[str, str] = {
-    **dict.fromkeys(
-        ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
-         "jina-v5-nano", "dbrx", "smaug-bpe"),
-        _LLAMA3_SPLIT,
-    ),
-    "tekken": _TEKKEN_SPLIT,
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"), _QWEN2_SPLIT),
-    "qwen35": _QWEN35_SPLIT,
-    **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), _GPT4O_SPLIT),
-}
-_SUPPORTED_GGUF_MODELS = ("gpt2", "llama")
 
 
 class Tokenizer:
@@ -169,7 +123,7 @@ class Tokenizer:
         if not self.chat_template:
             raise ValueError(f"tokenizer {self.name_or_path!r} has no chat template")
         chat = [{k: v for k, v in dict(m).items() if v is not None} for m in messages]
-        text = _compile_template(self.chat_template).render(
+        text = compile_template(self.chat_template).render(
             messages=chat,
             tools=None,
             documents=None,
@@ -177,49 +131,6 @@ class Tokenizer:
             **self.special_tokens,
         )
         return self.encode(text, add_special_tokens=False) if tokenize else text
-
-
-# -- chat templates ------------------------------------------------------------------------------
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """Accept transformers' `{% generation %}...{% endgeneration %}` and render its body unchanged."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
-        """Parse the block into a call that just returns its body."""
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-    def _body(self, caller: Any) -> str:
-        return caller()
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-@functools.lru_cache(maxsize=32)
-def _compile_template(template: str) -> jinja2.Template:
-    """Compile a chat template in an environment configured like transformers'."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env.from_string(template)
 
 
 # -- loading -------------------------------------------------------------------------------------
@@ -340,116 +251,10 @@ def _load_hf_dir(path: str) -> Tokenizer:
     )
 
 
-@functools.cache
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table, used to spell byte-level BPE vocabularies."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
-
-
-def _read_gguf_tokenizer_fields(path: str) -> dict[str, Any]:
-    """`general.architecture` and every `tokenizer.*` metadata value of a GGUF file."""
-    from gguf import GGUFReader
-
-    try:
-        reader = GGUFReader(path)
-    except Exception as e:  # gguf raises ValueError/struct errors of several kinds on a bad file
-        raise ValueError(f"cannot read GGUF file {path!r}: {e}") from e
-    return {
-        key: field.contents()
-        for key, field in reader.fields.items()
-        if key.startswith("tokenizer.") or key == "general.architecture"
-    }
-
-
-def _gguf_merges(meta: Mapping[str, Any], vocab: Mapping[str, int]) -> list[tuple[str, str]]:
-    """The file's merges, or (SentencePiece files without any) merges recovered from the token scores,
-    ordered as transformers' `generate_merges` orders them."""
-    if "tokenizer.ggml.merges" in meta:
-        return [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]]  # type: ignore[misc]
-    scores = dict(zip(meta["tokenizer.ggml.tokens"], meta.get("tokenizer.ggml.scores") or ()))
-    found: list[tuple[str, str, float]] = []
-    for merged, score in scores.items():
-        splits = ((merged[:i], merged[i:]) for i in range(1, len(merged)))
-        local = [(left, right, score) for left, right in splits if left in vocab and right in vocab]
-        found.extend(sorted(local, key=lambda x: (vocab[x[0]], vocab[x[1]])))
-    found.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
-    return [(left, right) for left, right, _ in found]
-
-
-def _gguf_backend(meta: Mapping[str, Any], path: str) -> BackendTokenizer:
-    """Build the `tokenizers.Tokenizer` that transformers builds from this GGUF tokenizer metadata."""
-    model = meta.get("tokenizer.ggml.model")
-    tokens: list[str] = list(meta.get("tokenizer.ggml.tokens") or ())
-    if not tokens:
-        raise ValueError(f"GGUF file {path!r} has no tokenizer.ggml.tokens")
-    if model == "gpt2":
-        spelling = _bytes_to_unicode()
-        alphabet = set(spelling.values())
-        vocab = {
-            tok if set(tok) <= alphabet else "".join(spelling[b] for b in tok.encode("utf-8")): i
-            for i, tok in enumerate(tokens)
-        }
-        backend = BackendTokenizer(BPE(vocab=vocab, merges=_gguf_merges(meta, vocab), dropout=None,
-                                       continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        backend.decoder = decoders.ByteLevel()
-    elif model == "llama":
-        if meta.get("general.architecture") in ("gemma", "gemma2", "gemma3", "phi3"):
-            raise ValueError(
-                f"GGUF file {path!r}: SentencePiece tokenizers of architecture "
-                f"{meta['general.architecture']!r} are not supported"
-            )
-        vocab = {tok: i for i, tok in enumerate(tokens)}
-        backend = BackendTokenizer(BPE(vocab=vocab, merges=_gguf_merges(meta, vocab), fuse_unk=True,
-                                       byte_fallback=True, dropout=None))
-        backend.normalizer = None
-        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
-        backend.decoder = decoders.Sequence([
-            decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(content=" ", left=1)
-        ])
-    else:
-        raise ValueError(
-            f"GGUF file {path!r} has tokenizer model {model!r}; supported: {', '.join(_SUPPORTED_GGUF_MODELS)}"
-        )
-
-    # Control tokens become special added tokens (in a byte-level vocabulary only those spelled in the byte
-    # alphabet, like transformers), user-defined ones plain added tokens.
-    types: list[int] = list(meta.get("tokenizer.ggml.token_type") or ())
-    spelled = set(_bytes_to_unicode().values()) if model == "gpt2" else None
-    control = [
-        AddedToken(tok, normalized=False, special=True)
-        for tok, kind in zip(tokens, types)
-        if kind == _GGUF_CONTROL and (spelled is None or set(tok) <= spelled)
-    ]
-    if control:
-        backend.add_special_tokens(control)
-    known = backend.get_vocab(with_added_tokens=True)
-    user = [AddedToken(tok, normalized=False, special=False)
-            for tok, kind in zip(tokens, types) if kind == _GGUF_USER_DEFINED and tok in known]
-    if user:
-        backend.add_tokens(user)
-
-    split = _GGUF_PRE_TOKENIZER_SPLITS.get(meta.get("tokenizer.ggml.pre"))  # type: ignore[arg-type]
-    if split is not None:
-        backend.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
-    return backend
-
-
 def _load_gguf(path: str) -> Tokenizer:
     """Tokenizer described by a GGUF file's `tokenizer.*` metadata."""
-    meta = _read_gguf_tokenizer_fields(path)
-    backend = _gguf_backend(meta, path)
+    meta = read_gguf_tokenizer_fields(path)
+    backend = gguf_backend(meta, path)
     tokens = meta["tokenizer.ggml.tokens"]
 
     def token_at(key: str) -> str | None:
