@@ -18,6 +18,7 @@ from rollout.block_manager import BlockManager
 from rollout.engine_config import EngineConfig, EngineStats
 from rollout.output_processor import OutputProcessor
 from rollout.outputs import RequestOutput, RolloutBatch
+from rollout.request_validation import Prompt, RequestLimits, normalize_requests, prompt_token_ids
 from rollout.rollout_batch import build_rollout_batch
 from rollout.sampling_params import SamplingParams
 from rollout.scheduler import Scheduler, SchedulerConfig
@@ -37,7 +38,6 @@ from runner.models.llama import LlamaForCausalLM
 from runner.models.loader import load_model
 from runner.sharding import make_mesh
 
-Prompt = str | list[int]
 
 
 class Engine:
@@ -120,8 +120,10 @@ class Engine:
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  *, use_tqdm: bool = False) -> list[RequestOutput]:
         """Complete every prompt; returns one `RequestOutput` per prompt, in order."""
-        prompts_list, params_list = self._normalize(prompts, sampling_params)
-        token_lists = [self._validate(p, sp) for p, sp in zip(prompts_list, params_list)]
+        prompts_list, params_list = normalize_requests(prompts, sampling_params)
+        limits = RequestLimits(self.model_config.vocab_size, self.config.max_model_len, self.config.max_logprobs,
+                               tuple(self.eos_token_ids), MAX_SUPPRESS)
+        token_lists = [prompt_token_ids(p, sp, self.tokenizer, limits) for p, sp in zip(prompts_list, params_list)]
         requests: list[tuple[int, str | None, list[Sequence]]] = []
         for prompt, ids, sp in zip(prompts_list, token_lists, params_list):
             requests.append(self._add_request(prompt if isinstance(prompt, str) else None, ids, sp))
@@ -268,52 +270,6 @@ class Engine:
         """Placeholders for EAGLE-3 drafts (-1, as many as each sequence may take): the head makes them
         on the device in the verification step's own program (`StepBatch.draft_slots`)."""
         return [np.full(max(lim, 0), -1, np.int32) for lim in limits]
-
-    def _normalize(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None
-                   ) -> tuple[list[Prompt], list[SamplingParams]]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, np.integer))):
-            prompts = [prompts]
-        prompts_list = list(prompts)
-        if not prompts_list:
-            raise ValueError("generate() needs at least one prompt")
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompts_list)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompts_list):
-                raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts_list)} prompts; "
-                                 "pass one, or one per prompt")
-        return prompts_list, params_list
-
-    def _validate(self, prompt: Prompt, sp: SamplingParams) -> list[int]:
-        """Token ids of a prompt, or a ValueError saying what is wrong (nothing is queued yet)."""
-        if not isinstance(sp, SamplingParams):
-            raise ValueError(f"sampling_params must be SamplingParams, got {type(sp).__name__}")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("empty prompt: give at least one character or token")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("empty prompt: give at least one token")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        if len(ids) >= self.config.max_model_len:
-            raise ValueError(f"prompt of {len(ids)} tokens leaves no room to generate within max_model_len="
-                             f"{self.config.max_model_len}; shorten it or raise max_model_len")
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(sp, name)
-            if k is not None and k > self.config.max_logprobs:
-                raise ValueError(f"{name}={k} exceeds the engine's max_logprobs={self.config.max_logprobs}; "
-                                 "ask for fewer or build the engine with a larger max_logprobs")
-        if sp.min_tokens > 0 and len(set(self.eos_token_ids) | set(sp.stop_token_ids)) > MAX_SUPPRESS:
-            raise ValueError(f"min_tokens needs EOS and stop_token_ids suppressed: at most {MAX_SUPPRESS} ids")
-        return ids
 
     def _add_request(self, prompt: str | None, ids: list[int], sp: SamplingParams
                      ) -> tuple[int, str | None, list[Sequence]]:

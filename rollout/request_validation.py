@@ -1,0 +1,75 @@
+"""Checks on what `Engine.generate` is given, before anything is queued: prompts and sampling params
+normalised to one list each, and each prompt's token ids, or a `ValueError` saying what was wrong and
+what to do (so a bad request leaves the engine's state untouched)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence as Seq
+
+import numpy as np
+
+from rollout.sampling_params import SamplingParams
+from rollout.tokenizer import Tokenizer
+
+Prompt = str | list[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestLimits:
+    """What the engine can take: its vocabulary, context length, top-logprob count and suppressible ids."""
+
+    vocab_size: int
+    max_model_len: int
+    max_logprobs: int
+    eos_token_ids: tuple[int, ...]
+    max_suppress: int  # ids a step can mask (EOS and stop ids while `min_tokens` is not reached)
+
+
+def normalize_requests(prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None
+                       ) -> tuple[list[Prompt], list[SamplingParams]]:
+    """One prompt or several, and one `SamplingParams` (or None: the defaults) or one per prompt."""
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, np.integer))):
+        prompts = [prompts]
+    prompts_list = list(prompts)
+    if not prompts_list:
+        raise ValueError("generate() needs at least one prompt")
+    if sampling_params is None:
+        sampling_params = SamplingParams()
+    if isinstance(sampling_params, SamplingParams):
+        params_list = [sampling_params] * len(prompts_list)
+    else:
+        params_list = list(sampling_params)
+        if len(params_list) != len(prompts_list):
+            raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts_list)} prompts; "
+                             "pass one, or one per prompt")
+    return prompts_list, params_list
+
+
+def prompt_token_ids(prompt: Prompt, sp: SamplingParams, tokenizer: Tokenizer, limits: RequestLimits) -> list[int]:
+    """Token ids of a prompt, or a ValueError saying what is wrong (nothing is queued yet)."""
+    if not isinstance(sp, SamplingParams):
+        raise ValueError(f"sampling_params must be SamplingParams, got {type(sp).__name__}")
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("empty prompt: give at least one character or token")
+        ids = tokenizer.encode(prompt)
+    else:
+        ids = [int(t) for t in prompt]
+    if not ids:
+        raise ValueError("empty prompt: give at least one token")
+    vocab = limits.vocab_size
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+    if len(ids) >= limits.max_model_len:
+        raise ValueError(f"prompt of {len(ids)} tokens leaves no room to generate within max_model_len="
+                         f"{limits.max_model_len}; shorten it or raise max_model_len")
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(sp, name)
+        if k is not None and k > limits.max_logprobs:
+            raise ValueError(f"{name}={k} exceeds the engine's max_logprobs={limits.max_logprobs}; "
+                             "ask for fewer or build the engine with a larger max_logprobs")
+    if sp.min_tokens > 0 and len(set(limits.eos_token_ids) | set(sp.stop_token_ids)) > limits.max_suppress:
+        raise ValueError(f"min_tokens needs EOS and stop_token_ids suppressed: at most {limits.max_suppress} ids")
+    return ids
