@@ -370,10 +370,10 @@ def main() -> None:
 
     # ---- table
     rows = []
+    weight_bytes = bc.WEIGHT_BYTES_PER_STEP / (2 if args.dtype == "bfloat16" else 1)  # read once per decode step
     for r in runs:
         o, h = r["ours"], r.get("hf")
-        bound = bc.roofline_tokens_per_s(r["seqs"], machine["bandwidth"], machine["flops"],
-                                         bc.WEIGHT_BYTES_PER_STEP * (2 if args.dtype == "bfloat16" else 4) / 4)
+        bound = bc.roofline_tokens_per_s(r["seqs"], machine["bandwidth"], machine["flops"], weight_bytes)
         r["roofline_tok_s"] = bound
         r["roofline_fraction"] = o["tok_s"] / bound
         r["ratio_vs_hf"] = o["tok_s"] / h["tok_s"] if h else None
@@ -417,8 +417,7 @@ def main() -> None:
         hf_peak = hf_info["device_peak_bytes"] if hf_info else None
         print(f"peak device memory: ours {bc.mib(ours_info['device_peak_bytes'])} (JAX, KV cache included)"
               + (f", HF {bc.mib(hf_peak)} (torch.cuda.max_memory_allocated)" if hf_peak is not None else ""))
-    weight_gb = 0.54 if args.dtype == "float32" else 0.27
-    print(f"roofline: min(bandwidth / {weight_gb} GB x seqs, FLOP/s / 0.27 GFLOP) tokens/s; prefill FLOPs are not in it")
+    print(f"roofline: min(bandwidth / {weight_bytes / 1e9:.2f} GB x seqs, FLOP/s / 0.27 GFLOP) tokens/s; prefill FLOPs are not in it")
 
     out = dict(
         bench="rollout", platform=args.platform, dtype=args.dtype, quick=args.quick, repeats=args.repeats, settings={**settings, **({

@@ -39,7 +39,6 @@ from runner.models.loader import load_model
 from runner.sharding import make_mesh
 
 
-
 class Engine:
     """Continuous-batching rollout engine over a paged KV cache."""
 
@@ -52,6 +51,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.model_config = cfg
         self.eos_token_ids = tuple(dict.fromkeys([*cfg.eos_token_ids, *tokenizer.eos_token_ids]))
+        self._limits = RequestLimits(cfg.vocab_size, config.max_model_len, config.max_logprobs, self.eos_token_ids,
+                                     MAX_SUPPRESS)
         block_size = config.block_size
         num_replicas = device_mesh.shape["data"]  # data parallel: each replica has its own KV blocks and budgets
         max_pages = -(-config.max_model_len // block_size)
@@ -121,9 +122,7 @@ class Engine:
                  *, use_tqdm: bool = False) -> list[RequestOutput]:
         """Complete every prompt; returns one `RequestOutput` per prompt, in order."""
         prompts_list, params_list = normalize_requests(prompts, sampling_params)
-        limits = RequestLimits(self.model_config.vocab_size, self.config.max_model_len, self.config.max_logprobs,
-                               tuple(self.eos_token_ids), MAX_SUPPRESS)
-        token_lists = [prompt_token_ids(p, sp, self.tokenizer, limits) for p, sp in zip(prompts_list, params_list)]
+        token_lists = [prompt_token_ids(p, sp, self.tokenizer, self._limits) for p, sp in zip(prompts_list, params_list)]
         requests: list[tuple[int, str | None, list[Sequence]]] = []
         for prompt, ids, sp in zip(prompts_list, token_lists, params_list):
             requests.append(self._add_request(prompt if isinstance(prompt, str) else None, ids, sp))

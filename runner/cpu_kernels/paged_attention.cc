@@ -145,8 +145,6 @@ void attend(const Problem& pb, int64_t s, int64_t h) {
   const float* k_head = pb.kv + h * pb.total_pages * page_floats;
   const float* v_head = pb.kv + (pb.num_kv_heads + h) * pb.total_pages * page_floats;
   const int32_t* table = pb.pages + s * pb.table_width;
-  const float* key_at[kTile];
-  const float* value_at[kTile];
   // The keys of the tile at t0 (those past the context read a clipped page and are masked).
   auto locate = [&](int64_t t0, const float** keys, const float** values) {
     for (int t = 0; t < kTile; ++t) {
@@ -158,18 +156,20 @@ void attend(const Problem& pb, int64_t s, int64_t h) {
       values[t] = v_head + offset;
     }
   };
+  const float* keys[2][kTile];  // this tile's and the next one's, alternating
+  const float* values[2][kTile];
   v16 dots[kTile];
   alignas(64) float p[kTile];
-  for (int64_t t0 = 0; t0 < kv_len; t0 += kTile) {
-    locate(t0, key_at, value_at);
+  locate(0, keys[0], values[0]);
+  for (int64_t t0 = 0, cur = 0; t0 < kv_len; t0 += kTile, cur ^= 1) {
+    const float* const* key_at = keys[cur];
+    const float* const* value_at = values[cur];
     if (t0 + kTile < kv_len) {  // the next tile's K and V lines on their way from memory while this one computes
-      const float* keys[kTile];
-      const float* values[kTile];
-      locate(t0 + kTile, keys, values);
+      locate(t0 + kTile, keys[cur ^ 1], values[cur ^ 1]);
       for (int t = 0; t < kTile; ++t)
         for (int64_t f = 0; f < D; f += 16) {
-          __builtin_prefetch(keys[t] + f);
-          __builtin_prefetch(values[t] + f);
+          __builtin_prefetch(keys[cur ^ 1][t] + f);
+          __builtin_prefetch(values[cur ^ 1][t] + f);
         }
     }
     for (int64_t r = 0; r < rows; ++r) {
