@@ -73,6 +73,7 @@ def main() -> None:
     settings: list[tuple[str, dict[str, str], list[str], str]] = [
         ("default", {}, [], "float32"),
         ("row_kernel_off", {"JAX_ROLLOUT_ROW_KERNEL": "0"}, [], "float32"),  # XLA's dot for <= 8 rows too
+        ("amx_off", {"JAX_ROLLOUT_AMX": "0"}, [], "float32"),  # the AVX-512 row kernel / XLA's dot for >= 9 rows
         ("attention_jax", {"JAX_ROLLOUT_CPU_ATTENTION": "0"}, [], "float32"),  # runner.attention's while loops
         ("tcmalloc", {"LD_PRELOAD": tcmalloc} if tcmalloc else {}, [], "float32"),
         ("pinned", {}, ["taskset", "-c", f"0-{cores - 1}"] if shutil.which("taskset") else [], "float32"),

@@ -261,7 +261,8 @@ class Engine:
             prefix_cache_hit_tokens=self.block_manager.num_cache_hit_tokens,
             prefix_cache_queried_tokens=self.block_manager.num_cache_queried_tokens,
             num_compilations=num_compilations() - self._compiles_at_start,
-            cpu_row_kernel=self.runner.row_kernel.reason, attention_impl=self.runner.attention_impl,
+            cpu_row_kernel=self.runner.row_kernel.reason, cpu_amx=self.runner.amx.reason,
+            attention_impl=self.runner.attention_impl,
             speculative=dataclasses.replace(self.speculator.stats) if self.speculator is not None else None)
 
     # ---- internals --------------------------------------------------------------------------

@@ -92,6 +92,7 @@ class EngineStats:
     generate_seconds: float = 0.0
     speculative: SpecStats | None = None  # drafting counters when speculation is configured
     cpu_row_kernel: str = ""  # "ok": steps of <= 64 rows use runner.row_matmul (tied head <= 8); else why XLA's dot
+    cpu_amx: str = ""  # "ok": the layers' matmuls of >= 9 rows use runner.amx_matmul (AMX tiles); else why not
     attention_impl: str = ""  # the attention kernel of decode / verification steps (runner.attention.ATTENTION_IMPLS)
 
     @property

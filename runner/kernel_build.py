@@ -42,6 +42,11 @@ def _cpu_id() -> str:
     return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags"))}))
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
+    return set(_cpu_id().split())
+
+
 def _compiler() -> str | None:
     for name in (os.environ.get("CXX"), "g++", "c++"):
         if name and shutil.which(name):
@@ -79,7 +84,7 @@ def load_kernel(source_name: str, switch: str, targets: dict[str, str]) -> Kerne
         return KernelStatus(False, f"turned off by {switch}=0")
     if platform.system() != "Linux":
         return KernelStatus(False, f"built only on Linux, not {platform.system()}")
-    if "avx512f" not in _cpu_id().split():
+    if "avx512f" not in cpu_flags():
         return KernelStatus(False, "needs AVX-512 (built for AVX2 the matmul kernel was slower than XLA's dot)")
     compiler = _compiler()
     if compiler is None:

@@ -10,6 +10,7 @@ decode batch (`StepBatch.num_steps`) goes to the program that runs several decod
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 
 import jax
@@ -24,7 +25,8 @@ from runner.buckets import BucketConfig
 from runner.cpu_attention import load as load_cpu_attention
 from runner.kernel_build import KernelStatus
 from runner.kv_cache import KVCacheSpec, allocate_kv_caches
-from runner.models.llama import LlamaForCausalLM, with_row_kernel
+from runner.amx_matmul import load as load_amx
+from runner.models.llama import LlamaForCausalLM, repack_amx, with_amx, with_row_kernel
 from runner.row_matmul import MAX_ROWS, load
 from runner.sampler import SamplerOutput
 from runner.sharding import kv_cache_sharding, make_mesh, shard_params
@@ -87,9 +89,12 @@ class ModelRunner:
         self.num_scheduler_steps = num_scheduler_steps
         self.mesh = mesh if mesh is not None else make_mesh(None)
         self.row_kernel = row_kernel_status(self.mesh, model)
+        self.amx = load_amx() if self.row_kernel.available else self.row_kernel
         if self.row_kernel.available:
             model = with_row_kernel(model, MAX_ROWS)
             draft_head = None if draft_head is None else with_row_kernel(draft_head, MAX_ROWS)
+        if self.amx.available:
+            model = with_amx(model)  # packed kernels live in `rest`, recomputed when the params change
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         if attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"unknown attention impl {attention_impl!r}; choose one of {ATTENTION_IMPLS}")
@@ -123,12 +128,15 @@ class ModelRunner:
         self.buckets = buckets
         self.max_logprobs = max_logprobs
         self.config = model.config
+        self._repack = jax.jit(functools.partial(repack_amx, graphdef), donate_argnums=1) if self.amx.available else None
+        self._packed_from = self._param_ids()
         self.drafter = None if draft_head is None else Eagle3Drafter(draft_head, graphdef, defs, kv_spec, self.mesh,
                                                                      pinned)
 
     @property
     def model(self) -> LlamaForCausalLM:
         """The model bound to the runner's current parameters."""
+        self._refresh_packed()
         return nnx.merge(self.graphdef, self.params, self.rest)
 
     def run(self, batch: StepBatch) -> StepResult:
@@ -202,8 +210,19 @@ class ModelRunner:
 
     def _leaves(self) -> tuple[list[Array], list[Array]]:
         """Params and rest as the flat leaf lists the compiled programs take; taken per call (not
-        cached), so a `sync_weights` that updates `self.params` in place is seen."""
+        cached), so a `sync_weights` that updates `self.params` in place is seen (and the AMX-packed
+        kernels in `rest` are recomputed from the new arrays first)."""
+        self._refresh_packed()
         return jax.tree.leaves(self.params), jax.tree.leaves(self.rest)
+
+    def _refresh_packed(self) -> None:
+        """Recompute the AMX-packed kernels in `rest` if any parameter array was replaced since."""
+        if self._repack is not None and self._param_ids() != self._packed_from:
+            self.rest = self._repack(self.params, self.rest)
+            self._packed_from = self._param_ids()
+
+    def _param_ids(self) -> tuple[int, ...]:
+        return tuple(map(id, jax.tree.leaves(self.params)))
 
     def warmup(self, *, prompt_logprobs: bool = False, speculative_k: int = 0, rejection: bool = False) -> int:
         """Compile every bucket by running dummy steps whose K/V writes are all dropped; returns the count.

@@ -19,6 +19,7 @@ from jaxtyping import Array, Float, Int
 
 from runner.attention import AttentionMetadata, causal_attention, paged_attention, write_kv
 from runner.models.config import ModelConfig
+from runner import amx_matmul as amx
 from runner.row_matmul import MAX_ROWS_NT, row_matmul, row_matmul_nt
 
 KVCaches = tuple[Float[Array, "2 Hkv P page D"], ...]
@@ -26,6 +27,10 @@ KVCaches = tuple[Float[Array, "2 Hkv P page D"], ...]
 
 def _dtype(name: str) -> jnp.dtype:
     return jnp.dtype(name)
+
+
+class AmxPacked(nnx.Variable):
+    """A kernel split and packed for `runner.amx_matmul` (derived from the `Param`, not trained or synced)."""
 
 
 class Linear(nnx.Module):
@@ -37,10 +42,17 @@ class Linear(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((out_features,), _dtype(cfg.param_dtype))) if bias else None
         self.compute_dtype = _dtype(cfg.dtype)
         self.row_kernel_max_rows = 0  # > 0: up to this many rows on `runner.row_matmul` (`with_row_kernel`)
+        self.amx_packed: AmxPacked | None = nnx.data(None)  # set: amx.MIN_ROWS rows or more on `runner.amx_matmul` (`with_amx`)
 
     def __call__(self, x: Float[Array, "... in"]) -> Float[Array, "... out"]:
         x, w = x.astype(self.compute_dtype), self.kernel[...].astype(self.compute_dtype)
-        y = row_matmul(x, w) if 0 < math.prod(x.shape[:-1]) <= self.row_kernel_max_rows else jnp.dot(x, w)
+        rows = math.prod(x.shape[:-1])
+        if self.amx_packed is not None and rows >= amx.MIN_ROWS:
+            y = amx.amx_matmul(x, self.amx_packed[...])
+        elif 0 < rows <= self.row_kernel_max_rows:
+            y = row_matmul(x, w)
+        else:
+            y = jnp.dot(x, w)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.compute_dtype)
         return y
@@ -174,6 +186,7 @@ class LlamaForCausalLM(nnx.Module):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
             cfg.hidden_size, cfg.vocab_size, bias=False, cfg=cfg, rngs=rngs)
         self.row_kernel_max_rows = 0  # the tied output projection's; see `with_row_kernel`
+        self.amx_head: AmxPacked | None = nnx.data(None)  # the tied embedding packed as `[H, V]`; see `with_amx`
 
     def embed(self, input_ids: Int[Array, "..."]) -> Float[Array, "... H"]:
         return self.embed_tokens[...][input_ids].astype(_dtype(self.config.dtype))
@@ -186,7 +199,9 @@ class LlamaForCausalLM(nnx.Module):
         """Final-norm'd hidden states -> float32 logits."""
         if self.lm_head is None:
             w = self.embed_tokens[...].astype(hidden.dtype)
-            if 0 < math.prod(hidden.shape[:-1]) <= self.row_kernel_max_rows:
+            if self.amx_head is not None and math.prod(hidden.shape[:-1]) >= amx.MIN_ROWS:
+                logits = amx.amx_matmul(hidden, self.amx_head[...])
+            elif 0 < math.prod(hidden.shape[:-1]) <= self.row_kernel_max_rows:
                 logits = row_matmul_nt(hidden, w)
             else:
                 logits = jnp.einsum("...h,vh->...v", hidden, w)
@@ -251,3 +266,28 @@ def with_row_kernel(module: ModuleT, max_rows: int) -> ModuleT:
         elif isinstance(sub, LlamaForCausalLM):
             sub.row_kernel_max_rows = min(max_rows, MAX_ROWS_NT)
     return copy
+
+
+def with_amx(module: ModuleT) -> ModuleT:
+    """A copy of `module` (sharing its arrays) whose float32 `Linear` layers of AMX-friendly shapes keep a
+    packed copy of their kernel and compute steps of `amx.MIN_ROWS` rows or more on `runner.amx_matmul`
+    (needs `amx.load().available`). Refresh the packed copies after changing the kernels: `repack_amx`."""
+    copy = nnx.merge(*nnx.split(module))
+    for _, sub in nnx.iter_modules(copy):
+        if isinstance(sub, Linear) and sub.compute_dtype == jnp.float32 and amx.shape_fits(sub.kernel[...]):
+            sub.amx_packed = AmxPacked(amx.pack_kernel(sub.kernel[...]))
+        elif (isinstance(sub, LlamaForCausalLM) and sub.lm_head is None and sub.config.dtype == "float32"
+              and amx.shape_fits(sub.embed_tokens[...].T)):
+            sub.amx_head = AmxPacked(amx.pack_kernel(sub.embed_tokens[...].T))
+    return copy
+
+
+def repack_amx(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State) -> nnx.State:
+    """`rest` with every `AmxPacked` recomputed from its layer's current kernel (jit it; donate `rest`)."""
+    model = nnx.merge(graphdef, params, rest)
+    for _, sub in nnx.iter_modules(model):
+        if isinstance(sub, Linear) and sub.amx_packed is not None:
+            sub.amx_packed.value = amx.pack_kernel(sub.kernel[...])
+        elif isinstance(sub, LlamaForCausalLM) and sub.amx_head is not None:
+            sub.amx_head.value = amx.pack_kernel(sub.embed_tokens[...].T)
+    return nnx.split(model, nnx.Param, ...)[2]

@@ -1,0 +1,211 @@
+// Float32 matmuls on Intel AMX tiles (an XLA FFI custom call; built and loaded by runner/amx_matmul.py).
+//
+// Each float32 value is split exactly into three bfloat16 parts by truncation (hi = top 8 mantissa bits,
+// mid = the next 8 of the remainder, lo = the rest, which fits), so x = xh + xm + xl and w = wh + wm + wl
+// with no rounding. y = x @ w is then the six products xh*wh + xh*wm + xm*wh + xh*wl + xl*wh + xm*wm,
+// each a TDPBF16PS (exact bf16 products, float32 accumulation); the dropped terms are below 2^-24 of the
+// result, so the error is that of a float32 GEMM (checked against float64 in tests/test_amx_matmul.py).
+// The weights come pre-split and packed in AMX's pair layout by runner/amx_matmul.py::pack_kernel, once per
+// weight update: [N/16, K/32, 3 parts, 16 pair-rows, 16 columns, 2].
+//
+// One output tile (16 rows x 16 columns) is always summed over k in the same order, whatever the row
+// count or thread count, so a row's result does not depend on the other rows of the step.
+//
+//   AmxMatmul: y[M, N] = x[M, K] @ w[K, N]   (w given packed; K % 32 == 0, N % 16 == 0, any M)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+#if !defined(__AMX_TILE__) || !defined(__AMX_BF16__) || !defined(__AVX512BW__)
+#define JAX_ROLLOUT_NO_AMX 1
+#endif
+
+namespace {
+
+constexpr int kGroupTiles = 4;          // row tiles per pass (C tiles 0..3; A in 4, 5; B in 6, 7)
+constexpr int kGroupRows = 16 * kGroupTiles;
+constexpr int kTileElems = 512;         // bf16 values per 16 x 64-byte tile
+constexpr int kPrefetchBlocks = 2;      // k-blocks of packed weights prefetched ahead
+
+#ifndef JAX_ROLLOUT_NO_AMX
+struct TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+inline void configure_tiles() {
+  alignas(64) TileConfig cfg;
+  for (int i = 0; i < 8; ++i) {
+    cfg.colsb[i] = 64;
+    cfg.rows[i] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// x rows [r0, r0 + 64) split into parts, tile-contiguous: [part][row tile][k block][16 rows][32 k].
+// Rows past M are zero.
+void split_rows(const float* x, int64_t M, int64_t K, int64_t r0, uint16_t* out) {
+  const int64_t kb_count = K / 32, part_stride = int64_t{kGroupTiles} * kb_count * kTileElems;
+  const __m512i mask = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int64_t r = 0; r < kGroupRows; ++r) {
+    for (int64_t k = 0; k < K; k += 16) {
+      const int64_t off = ((r / 16) * kb_count + k / 32) * kTileElems + (r % 16) * 32 + k % 32;
+      if (r0 + r >= M) {
+        for (int p = 0; p < 3; ++p) std::memset(out + p * part_stride + off, 0, 32);
+        continue;
+      }
+      const __m512 v = _mm512_loadu_ps(x + (r0 + r) * K + k);
+      const __m512i h = _mm512_and_si512(_mm512_castps_si512(v), mask);
+      const __m512 rest = _mm512_sub_ps(v, _mm512_castsi512_ps(h));
+      const __m512i m = _mm512_and_si512(_mm512_castps_si512(rest), mask);
+      const __m512i l = _mm512_castps_si512(_mm512_sub_ps(rest, _mm512_castsi512_ps(m)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + off), _mm512_cvtepi32_epi16(_mm512_srli_epi32(h, 16)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + part_stride + off),
+                          _mm512_cvtepi32_epi16(_mm512_srli_epi32(m, 16)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 2 * part_stride + off),
+                          _mm512_cvtepi32_epi16(_mm512_srli_epi32(l, 16)));
+    }
+  }
+}
+
+// Output columns [16 nb, 16 nb + 16) of the row group whose split x is `xs`: C tiles 0..3 accumulate the
+// six products over every k block in order, then go to y (rows past M through a scratch tile).
+void column_block(const uint16_t* xs, const uint16_t* wp, float* y, int64_t M, int64_t K, int64_t N,
+                  int64_t r0, int64_t nb) {
+  const int64_t kb_count = K / 32, part_stride = int64_t{kGroupTiles} * kb_count * kTileElems;
+  const int tiles = static_cast<int>(std::min<int64_t>(kGroupTiles, (M - r0 + 15) / 16));
+  const uint16_t* wb = wp + nb * kb_count * 3 * kTileElems;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t kb = 0; kb < kb_count; ++kb) {
+    const uint16_t* b = wb + kb * 3 * kTileElems;
+    const char* ahead = reinterpret_cast<const char*>(b + kPrefetchBlocks * 3 * kTileElems);
+    for (int line = 0; line < 3 * kTileElems * 2 / 64; ++line) _mm_prefetch(ahead + line * 64, _MM_HINT_T0);
+#define JR_A(part, tile) (xs + (part) * part_stride + ((tile) * kb_count + kb) * kTileElems)
+    _tile_loadd(6, b, 64);                   // wh
+    _tile_loadd(7, b + kTileElems, 64);      // wm
+#define JR_HI(T, A) if (tiles > T) { _tile_loadd(A, JR_A(0, T), 64); _tile_dpbf16ps(T, A, 6); _tile_dpbf16ps(T, A, 7); }
+    JR_HI(0, 4) JR_HI(1, 5) JR_HI(2, 4) JR_HI(3, 5)  // xh*wh, xh*wm
+#define JR_MID(T, A) if (tiles > T) { _tile_loadd(A, JR_A(1, T), 64); _tile_dpbf16ps(T, A, 6); _tile_dpbf16ps(T, A, 7); }
+    JR_MID(0, 4) JR_MID(1, 5) JR_MID(2, 4) JR_MID(3, 5)  // xm*wh, xm*wm
+    _tile_loadd(7, b + 2 * kTileElems, 64);  // wl
+#define JR_HL(T, A) if (tiles > T) { _tile_loadd(A, JR_A(0, T), 64); _tile_dpbf16ps(T, A, 7); }
+    JR_HL(0, 4) JR_HL(1, 5) JR_HL(2, 4) JR_HL(3, 5)  // xh*wl
+#define JR_LH(T, A) if (tiles > T) { _tile_loadd(A, JR_A(2, T), 64); _tile_dpbf16ps(T, A, 6); }
+    JR_LH(0, 4) JR_LH(1, 5) JR_LH(2, 4) JR_LH(3, 5)  // xl*wh
+#undef JR_A
+#undef JR_HI
+#undef JR_MID
+#undef JR_HL
+#undef JR_LH
+  }
+  alignas(64) float scratch[16 * 16];
+#define JR_STORE(T)                                                                              \
+  if (tiles > T) {                                                                               \
+    const int64_t row = r0 + 16 * T, valid = std::min<int64_t>(16, M - row);                     \
+    if (valid == 16) {                                                                           \
+      _tile_stored(T, y + row * N + nb * 16, N * 4);                                             \
+    } else {                                                                                     \
+      _tile_stored(T, scratch, 64);                                                              \
+      for (int64_t i = 0; i < valid; ++i) std::memcpy(y + (row + i) * N + nb * 16, scratch + i * 16, 64); \
+    }                                                                                            \
+  }
+  JR_STORE(0) JR_STORE(1) JR_STORE(2) JR_STORE(3)
+#undef JR_STORE
+}
+
+// Work items (row group, chunk of column blocks) claimed through an atomic counter by the caller and the
+// pool's threads, as in row_matmul.cc (a task that starts late finds nothing left: no deadlock).
+struct Work {
+  const uint16_t* xs;  // [groups][3 parts][4 tiles][K/32][512]
+  const uint16_t* wp;
+  float* y;
+  int64_t M, K, N, num_blocks, chunk, chunks_per_group, num_items;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void drain() {
+    bool configured = false;
+    const int64_t group_elems = 3 * int64_t{kGroupTiles} * (K / 32) * kTileElems;
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < num_items;) {
+      if (!configured) configure_tiles(), configured = true;
+      const int64_t g = i / chunks_per_group, c = i % chunks_per_group;
+      for (int64_t nb = c * chunk; nb < std::min(num_blocks, (c + 1) * chunk); ++nb)
+        column_block(xs + g * group_elems, wp, y, M, K, N, g * kGroupRows, nb);
+      done.fetch_add(1, std::memory_order_release);
+    }
+    if (configured) _tile_release();
+  }
+};
+#endif  // JAX_ROLLOUT_NO_AMX
+
+ffi::Error AmxMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> packed,
+                         ffi::ResultBuffer<ffi::F32> y) {
+#ifdef JAX_ROLLOUT_NO_AMX
+  return ffi::Error::Internal("amx_matmul: built without AMX");
+#else
+  const auto xd = x.dimensions();
+  const auto pd = packed.dimensions();
+  const auto yd = y->dimensions();
+  if (xd.size() != 2 || pd.size() != 6 || yd.size() != 2)
+    return ffi::Error::InvalidArgument("amx_matmul: x must be [M, K], packed [N/16, K/32, 3, 16, 16, 2]");
+  const int64_t M = xd[0], K = xd[1], N = yd[1];
+  if (pd[0] * 16 != N || pd[1] * 32 != K || pd[2] != 3 || pd[3] != 16 || pd[4] != 16 || pd[5] != 2 || yd[0] != M)
+    return ffi::Error::InvalidArgument("amx_matmul: packed weights do not match x [M, K] and y [M, N]");
+  if (M == 0) return ffi::Error::Success();
+  const int64_t groups = (M + kGroupRows - 1) / kGroupRows;
+  const int64_t group_elems = 3 * int64_t{kGroupTiles} * (K / 32) * kTileElems;
+  const size_t bytes = (groups * group_elems * sizeof(uint16_t) + 63) / 64 * 64;
+  std::unique_ptr<uint16_t, decltype(&std::free)> xs(static_cast<uint16_t*>(std::aligned_alloc(64, bytes)), &std::free);
+  for (int64_t g = 0; g < groups; ++g) split_rows(x.typed_data(), M, K, g * kGroupRows, xs.get() + g * group_elems);
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  auto work = std::make_shared<Work>();
+  work->xs = xs.get();
+  work->wp = packed.typed_data();
+  work->y = y->typed_data();
+  work->M = M;
+  work->K = K;
+  work->N = N;
+  work->num_blocks = N / 16;
+  const int64_t per_group = std::max<int64_t>(1, 2 * threads / groups);  // ~2 items per thread in all
+  work->chunk = std::max<int64_t>(1, (work->num_blocks + per_group - 1) / per_group);
+  work->chunks_per_group = (work->num_blocks + work->chunk - 1) / work->chunk;
+  work->num_items = groups * work->chunks_per_group;
+  for (int64_t t = 1; t < std::min(threads, work->num_items); ++t) pool.Schedule([work] { work->drain(); });
+  work->drain();
+  while (work->done.load(std::memory_order_acquire) < work->num_items) __builtin_ia32_pause();
+  return ffi::Error::Success();
+#endif
+}
+
+}  // namespace
+
+// Asks Linux for permission to use AMX tile data in this process (all threads); 0 on success.
+extern "C" int jax_rollout_amx_enable() {
+#ifdef JAX_ROLLOUT_NO_AMX
+  return -1;
+#else
+  constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return static_cast<int>(syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata));
+#endif
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AmxMatmul, AmxMatmulImpl,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U16>>().Ret<ffi::Buffer<ffi::F32>>());

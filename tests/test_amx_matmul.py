@@ -1,0 +1,118 @@
+"""The AMX matmul kernel (`runner/amx_matmul.py`): the exact three-part split, the packed layout, values
+against float64, row independence, gradients, and that the engine repacks after `sync_weights`."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from rollout.engine import Engine
+from rollout.sampling_params import SamplingParams
+from runner.amx_matmul import MIN_ROWS, amx_matmul, load, pack_kernel, shape_fits, split3, unpack_kernel
+from runner.models.config import ModelConfig
+from runner.models.llama import Linear, LlamaForCausalLM, with_amx
+from tests.test_engine import ByteTokenizer
+
+needs_amx = pytest.mark.skipif(not load().available, reason=f"AMX kernel unavailable: {load().reason}")
+
+
+def _bits_to_f32(bits: jax.Array) -> np.ndarray:
+    return np.asarray(jax.lax.bitcast_convert_type(bits.astype(jnp.uint32) << 16, jnp.float32))
+
+
+def test_split_is_exact_and_packing_round_trips() -> None:
+    """hi + mid + lo == x bit for bit (small, large, negative values; parts of |x| < ~1e-33 would be
+    float32 subnormals, which XLA and AMX flush to zero), and unpack(pack(w)) == w."""
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.standard_normal(4096).astype(np.float32) * s for s in (1e-25, 1e-3, 1.0, 1e30)])
+    hi, mid, lo = (_bits_to_f32(p) for p in split3(jnp.asarray(x)))
+    np.testing.assert_array_equal((hi + mid) + lo, x)
+    assert np.all(np.abs(mid) <= np.abs(x) * 2.0**-7) and np.all(np.abs(lo) <= np.abs(x) * 2.0**-15)
+    w = rng.standard_normal((96, 48), dtype=np.float32)
+    packed = pack_kernel(jnp.asarray(w))
+    assert packed.shape == (3, 3, 3, 16, 16, 2) and packed.dtype == jnp.uint16
+    np.testing.assert_array_equal(np.asarray(unpack_kernel(packed)), w)
+    # packed[nb, kb, part, i, c, j] = part(w)[32 kb + 2 i + j, 16 nb + c]
+    assert packed[2, 1, 0, 5, 3, 1] == split3(jnp.asarray(w))[0][32 + 11, 32 + 3]
+    assert shape_fits(jnp.zeros((64, 32))) and not shape_fits(jnp.zeros((48, 32))) and not shape_fits(jnp.zeros((64, 8)))
+
+
+@needs_amx
+@pytest.mark.parametrize("m, k, n", [(1, 32, 16), (9, 96, 48), (64, 576, 1536), (70, 1536, 576), (131, 64, 4096)])
+def test_values_match_float64_reference(m: int, k: int, n: int) -> None:
+    """Error relative to sum |x_k w_k| at float32 GEMM level (XLA's own dot is ~1e-7 here), for row
+    counts that leave a partial tile and several 64-row groups."""
+    rng = np.random.default_rng(m * k + n)
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    w = rng.standard_normal((k, n), dtype=np.float32) * 0.05
+    got = np.asarray(jax.jit(amx_matmul)(jnp.asarray(x), pack_kernel(jnp.asarray(w))))
+    want = x.astype(np.float64) @ w.astype(np.float64)
+    scale = np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64)
+    assert got.shape == (m, n)
+    assert np.max(np.abs(got - want) / scale) < 5e-7
+
+
+@needs_amx
+def test_rows_do_not_depend_on_each_other() -> None:
+    """Row r of an M-row product is bitwise the product of that row alone, or within any other batch."""
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((100, 576), dtype=np.float32))
+    packed = pack_kernel(jnp.asarray(rng.standard_normal((576, 192), dtype=np.float32)))
+    fn = jax.jit(amx_matmul)
+    full = np.asarray(fn(x, packed))
+    for rows in (slice(0, 1), slice(37, 38), slice(5, 21), slice(64, 100)):
+        np.testing.assert_array_equal(np.asarray(fn(x[rows], packed)), full[rows])
+
+
+@needs_amx
+def test_gradient_with_respect_to_x() -> None:
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((12, 64), dtype=np.float32))
+    w = jnp.asarray(rng.standard_normal((64, 48), dtype=np.float32))
+    g = jax.grad(lambda x: (amx_matmul(x, pack_kernel(w)) ** 2).sum())(x)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(jax.grad(lambda x: ((x @ w) ** 2).sum())(x)), rtol=1e-5, atol=1e-3)
+
+
+CFG = ModelConfig(family="llama", vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+                  max_position_embeddings=256, tie_word_embeddings=True, eos_token_ids=(2,))
+
+
+@needs_amx
+def test_model_with_amx_computes_the_same_logits() -> None:
+    """Every Linear and the tied output projection get a packed copy; MIN_ROWS tokens or more use it."""
+    model = LlamaForCausalLM(CFG, rngs=nnx.Rngs(0))
+    fast = with_amx(model)
+    assert all(m.amx_packed is None for _, m in nnx.iter_modules(model) if isinstance(m, Linear))
+    assert all(m.amx_packed is not None for _, m in nnx.iter_modules(fast) if isinstance(m, Linear))
+    assert fast.amx_head is not None and model.amx_head is None
+    forward = jax.jit(lambda m, i, p: m.compute_logits(m.hidden_states(i, p)))
+    for seq in (MIN_ROWS - 1, MIN_ROWS, 40, 130):
+        ids = jnp.asarray(np.arange(seq)[None] * 7 % CFG.vocab_size)
+        pos = jnp.arange(seq)[None]
+        np.testing.assert_allclose(np.asarray(forward(fast, ids, pos)), np.asarray(forward(model, ids, pos)),
+                                   rtol=1e-5, atol=1e-5)
+
+
+@needs_amx
+def test_engine_repacks_after_sync_weights() -> None:
+    """Steps of >= MIN_ROWS rows read the packed kernels: after `sync_weights` they must be the new
+    policy's, i.e. the engine's outputs equal those of an engine built from the new weights."""
+    kw = dict(max_num_seqs=16, max_model_len=64, max_num_batched_tokens=64, block_size=16)
+    prompts = [f"p{i}" for i in range(16)]  # 16 sequences: decode steps of 16 rows (AMX)
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+    old, new = LlamaForCausalLM(CFG, rngs=nnx.Rngs(0)), LlamaForCausalLM(CFG, rngs=nnx.Rngs(1))
+    engine = Engine.from_model(old, ByteTokenizer(), **kw)
+    assert engine.stats().cpu_amx == "ok"
+    before = engine.generate(prompts, sp)
+    engine.sync_weights(nnx.state(new, nnx.Param))
+    after = engine.generate(prompts, sp)
+    fresh = Engine.from_model(new, ByteTokenizer(), **kw).generate(prompts, sp)
+    assert [o.outputs[0].token_ids for o in after] == [o.outputs[0].token_ids for o in fresh]
+    assert [o.outputs[0].token_ids for o in after] != [o.outputs[0].token_ids for o in before]
+    for a, f in zip(after, fresh):
+        np.testing.assert_array_equal([lp.logprob for lp in a.outputs[0].logprobs],
+                                      [lp.logprob for lp in f.outputs[0].logprobs])
