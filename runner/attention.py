@@ -83,7 +83,7 @@ def paged_attention(
     """The engine's one attention boundary: `md.impl` picks the kernel.
 
     "jax" is the pure-JAX `ragged_paged_attention` (every step, every backend). "cpu_kernel" sends steps
-    of at most `runner.cpu_attention.MAX_Q_LEN` queries per sequence (decode, verification) with float32
+    of at most `runner.cpu_attention.MAX_Q_LEN` queries per sequence or prefill piece with float32
     queries and cache to that C++ kernel, other steps to the pure-JAX version. "pallas_gpu" and
     "pallas_tpu" send decode steps (one query per sequence) to JAX's Pallas `paged_attention` kernel
     for that backend over the same cache (`kv_pages[0]`, `kv_pages[1]`), and every other step to the

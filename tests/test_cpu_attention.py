@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from rollout import Engine, SamplingParams
-from runner.cpu_attention import cpu_paged_attention, load
+from runner.cpu_attention import MAX_Q_LEN, cpu_paged_attention, load
 from test_attention import reference
 from test_engine import ENGINE_KW, ByteTokenizer, make_model, rand_prompt
 
@@ -46,6 +46,23 @@ def test_values_match_float64_reference(kv_heads: int, group: int, head_dim: int
     assert not got[len(queries):].any()  # tokens past the real sequences' queries are zero
 
 
+@pytest.mark.parametrize("page", [16, 5])
+def test_prefill_pieces_match_float64_reference(page: int) -> None:
+    """Prefill steps send pieces of up to `BucketConfig.query_block` queries (32 by default; up to
+    MAX_Q_LEN) as sequences: the first piece of a prompt, a piece deep in a 300-token context, a short
+    last piece."""
+    rng = np.random.default_rng(page)
+    kv_heads, group, head_dim = 3, 3, 64
+    q_lens, kv_lens = [32, 32, 17, MAX_Q_LEN], [32, 300, 81, 150]
+    width = -(-300 // page)
+    kv = rng.standard_normal((2, kv_heads, NUM_PAGES * 2, page, head_dim)).astype(np.float32)
+    tables = rng.integers(0, NUM_PAGES * 2, (len(q_lens), width)).astype(np.int32)
+    queries = rng.standard_normal((sum(q_lens), kv_heads * group, head_dim)).astype(np.float32)
+    got = run_kernel(queries, kv, q_lens, kv_lens, tables, len(q_lens), num_tokens=sum(q_lens))
+    want = reference(queries, kv, q_lens, kv_lens, tables, head_dim ** -0.5)
+    np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)
+
+
 def test_a_row_depends_only_on_its_position_and_context() -> None:
     """Verification rows (4 queries of one sequence, batched with 40 others so the pool runs) equal, bit
     for bit, the one-query decode step at each position alone."""
@@ -65,7 +82,7 @@ def test_a_row_depends_only_on_its_position_and_context() -> None:
 
 def test_engine_uses_the_kernel_and_matches_the_pure_jax_path() -> None:
     """"auto" on one CPU device picks the kernel; greedy and sampled tokens equal the pure-JAX path's,
-    logprobs within float32 rounding (prefill still runs the pure-JAX attention)."""
+    logprobs within float32 rounding (prefill pieces run in the kernel too)."""
     model = make_model()
     rng = np.random.default_rng(3)
     prompts = [rand_prompt(rng, n) for n in (5, 19, 11)]
