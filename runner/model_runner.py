@@ -93,8 +93,7 @@ class ModelRunner:
         if self.row_kernel.available:
             model = with_row_kernel(model, MAX_ROWS)
             draft_head = None if draft_head is None else with_row_kernel(draft_head, MAX_ROWS)
-        if self.amx.available:
-            model = with_amx(model)  # packed kernels live in `rest`, recomputed when the params change
+        model = with_amx(model, self.amx.available)  # packed kernels live in `rest`, recomputed when params change
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         if attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"unknown attention impl {attention_impl!r}; choose one of {ATTENTION_IMPLS}")
@@ -129,14 +128,14 @@ class ModelRunner:
         self.max_logprobs = max_logprobs
         self.config = model.config
         self._repack = jax.jit(functools.partial(repack_amx, graphdef), donate_argnums=1) if self.amx.available else None
-        self._packed_from = self._param_ids()
+        self._packed_from = tuple(map(id, jax.tree.leaves(self.params)))
         self.drafter = None if draft_head is None else Eagle3Drafter(draft_head, graphdef, defs, kv_spec, self.mesh,
                                                                      pinned)
 
     @property
     def model(self) -> LlamaForCausalLM:
         """The model bound to the runner's current parameters."""
-        self._refresh_packed()
+        self._refresh_packed(jax.tree.leaves(self.params))
         return nnx.merge(self.graphdef, self.params, self.rest)
 
     def run(self, batch: StepBatch) -> StepResult:
@@ -212,17 +211,16 @@ class ModelRunner:
         """Params and rest as the flat leaf lists the compiled programs take; taken per call (not
         cached), so a `sync_weights` that updates `self.params` in place is seen (and the AMX-packed
         kernels in `rest` are recomputed from the new arrays first)."""
-        self._refresh_packed()
-        return jax.tree.leaves(self.params), jax.tree.leaves(self.rest)
+        params = jax.tree.leaves(self.params)
+        self._refresh_packed(params)
+        return params, jax.tree.leaves(self.rest)
 
-    def _refresh_packed(self) -> None:
+    def _refresh_packed(self, params: list[Array]) -> None:
         """Recompute the AMX-packed kernels in `rest` if any parameter array was replaced since."""
-        if self._repack is not None and self._param_ids() != self._packed_from:
+        ids = tuple(map(id, params))
+        if self._repack is not None and ids != self._packed_from:
             self.rest = self._repack(self.params, self.rest)
-            self._packed_from = self._param_ids()
-
-    def _param_ids(self) -> tuple[int, ...]:
-        return tuple(map(id, jax.tree.leaves(self.params)))
+            self._packed_from = ids
 
     def warmup(self, *, prompt_logprobs: bool = False, speculative_k: int = 0, rejection: bool = False) -> int:
         """Compile every bucket by running dummy steps whose K/V writes are all dropped; returns the count.

@@ -89,6 +89,9 @@ def test_model_with_amx_computes_the_same_logits() -> None:
     assert all(m.amx_packed is None for _, m in nnx.iter_modules(model) if isinstance(m, Linear))
     assert all(m.amx_packed is not None for _, m in nnx.iter_modules(fast) if isinstance(m, Linear))
     assert fast.amx_head is not None and model.amx_head is None
+    plain = with_amx(fast, enabled=False)  # e.g. an AMX engine's `model` handed to a mesh engine
+    assert plain.amx_head is None and all(m.amx_packed is None for _, m in nnx.iter_modules(plain)
+                                          if isinstance(m, Linear))
     forward = jax.jit(lambda m, i, p: m.compute_logits(m.hidden_states(i, p)))
     for seq in (MIN_ROWS - 1, MIN_ROWS, 40, 130):
         ids = jnp.asarray(np.arange(seq)[None] * 7 % CFG.vocab_size)

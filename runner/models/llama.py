@@ -268,17 +268,20 @@ def with_row_kernel(module: ModuleT, max_rows: int) -> ModuleT:
     return copy
 
 
-def with_amx(module: ModuleT) -> ModuleT:
+def with_amx(module: ModuleT, enabled: bool = True) -> ModuleT:
     """A copy of `module` (sharing its arrays) whose float32 `Linear` layers of AMX-friendly shapes keep a
     packed copy of their kernel and compute steps of `amx.MIN_ROWS` rows or more on `runner.amx_matmul`
-    (needs `amx.load().available`). Refresh the packed copies after changing the kernels: `repack_amx`."""
+    (needs `amx.load().available`). Refresh the packed copies after changing the kernels: `repack_amx`.
+    `enabled=False`: a copy without packed kernels (a model taken from an engine that had them)."""
     copy = nnx.merge(*nnx.split(module))
     for _, sub in nnx.iter_modules(copy):
-        if isinstance(sub, Linear) and sub.compute_dtype == jnp.float32 and amx.shape_fits(sub.kernel[...]):
-            sub.amx_packed = AmxPacked(amx.pack_kernel(sub.kernel[...]))
-        elif (isinstance(sub, LlamaForCausalLM) and sub.lm_head is None and sub.config.dtype == "float32"
-              and amx.shape_fits(sub.embed_tokens[...].T)):
-            sub.amx_head = AmxPacked(amx.pack_kernel(sub.embed_tokens[...].T))
+        if isinstance(sub, Linear):
+            fits = enabled and sub.compute_dtype == jnp.float32 and amx.shape_fits(sub.kernel[...])
+            sub.amx_packed = AmxPacked(amx.pack_kernel(sub.kernel[...])) if fits else nnx.data(None)
+        elif isinstance(sub, LlamaForCausalLM):
+            fits = (enabled and sub.lm_head is None and sub.config.dtype == "float32"
+                    and amx.shape_fits(sub.embed_tokens[...].T))
+            sub.amx_head = AmxPacked(amx.pack_kernel(sub.embed_tokens[...].T)) if fits else nnx.data(None)
     return copy
 
 
