@@ -10,6 +10,8 @@ matmuls at 16 / 32 rows ~1.25x faster than XLA's, at 64 rows about the same (thr
 docs/engineering-notes.md). Each output is summed in the same order whatever the row count, so a row's
 result does not depend on which other rows share the step.
 
+On CPUs with AMX-BF16, `runner.amx_matmul` takes the steps of 9 rows or more (`Linear.__call__` picks).
+
 The kernel is built on first use (`runner.kernel_build`: AVX-512 CPUs with a C++ compiler); `load()`
 says whether it is usable and, if not, why; the model then keeps XLA's dot.
 `JAX_ROLLOUT_ROW_KERNEL=0` turns it off.

@@ -17,9 +17,9 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from runner import amx_matmul as amx
 from runner.attention import AttentionMetadata, causal_attention, paged_attention, write_kv
 from runner.models.config import ModelConfig
-from runner import amx_matmul as amx
 from runner.row_matmul import MAX_ROWS_NT, row_matmul, row_matmul_nt
 
 KVCaches = tuple[Float[Array, "2 Hkv P page D"], ...]
