@@ -41,7 +41,10 @@ def load() -> KernelStatus:
     status = load_kernel("amx_matmul.cc", "JAX_ROLLOUT_AMX", {_TARGET: "AmxMatmul"})
     if not status.available or status.library is None:
         return status
-    if ctypes.CDLL(status.library).jax_rollout_amx_enable() != 0:
+    code = ctypes.CDLL(status.library).jax_rollout_amx_enable()
+    if code == -2:
+        return KernelStatus(False, "the C++ compiler did not target AMX-BF16 (-march=native); XLA's dot is kept")
+    if code != 0:
         return KernelStatus(False, "Linux refused AMX tile data (arch_prctl ARCH_REQ_XCOMP_PERM)")
     return status
 

@@ -201,10 +201,11 @@ ffi::Error AmxMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
 
 }  // namespace
 
-// Asks Linux for permission to use AMX tile data in this process (all threads); 0 on success.
+// Asks Linux for permission to use AMX tile data in this process (all threads); 0 on success, -2 when
+// the compiler did not target AMX (the handler would fail every call).
 extern "C" int jax_rollout_amx_enable() {
 #ifdef JAX_ROLLOUT_NO_AMX
-  return -1;
+  return -2;
 #else
   constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
   return static_cast<int>(syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata));
