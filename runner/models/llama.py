@@ -198,10 +198,10 @@ class LlamaForCausalLM(nnx.Module):
     def compute_logits(self, hidden: Float[Array, "... H"]) -> Float[Array, "... V"]:
         """Final-norm'd hidden states -> float32 logits."""
         if self.lm_head is None:
-            w = self.embed_tokens[...].astype(hidden.dtype)
-            if self.amx_head is not None and math.prod(hidden.shape[:-1]) >= amx.MIN_ROWS:
+            w, rows = self.embed_tokens[...].astype(hidden.dtype), math.prod(hidden.shape[:-1])
+            if self.amx_head is not None and rows >= amx.MIN_ROWS:
                 logits = amx.amx_matmul(hidden, self.amx_head[...])
-            elif 0 < math.prod(hidden.shape[:-1]) <= self.row_kernel_max_rows:
+            elif 0 < rows <= self.row_kernel_max_rows:
                 logits = row_matmul_nt(hidden, w)
             else:
                 logits = jnp.einsum("...h,vh->...v", hidden, w)
@@ -268,6 +268,18 @@ def with_row_kernel(module: ModuleT, max_rows: int) -> ModuleT:
     return copy
 
 
+def _amx_kernel(sub: nnx.Module) -> Array | None:
+    """The `[K, N]` float32 kernel `with_amx` packs for this module (a Linear's kernel, a tied output
+    projection's `[H, V]` embedding), or None where it packs nothing."""
+    if isinstance(sub, Linear) and sub.compute_dtype == jnp.float32:
+        w = sub.kernel[...]
+    elif isinstance(sub, LlamaForCausalLM) and sub.lm_head is None and sub.config.dtype == "float32":
+        w = sub.embed_tokens[...].T
+    else:
+        return None
+    return w if amx.shape_fits(w) else None
+
+
 def with_amx(module: ModuleT, enabled: bool = True) -> ModuleT:
     """A copy of `module` (sharing its arrays) whose float32 `Linear` layers of AMX-friendly shapes keep a
     packed copy of their kernel and compute steps of `amx.MIN_ROWS` rows or more on `runner.amx_matmul`
@@ -275,13 +287,13 @@ def with_amx(module: ModuleT, enabled: bool = True) -> ModuleT:
     `enabled=False`: a copy without packed kernels (a model taken from an engine that had them)."""
     copy = nnx.merge(*nnx.split(module))
     for _, sub in nnx.iter_modules(copy):
-        if isinstance(sub, Linear):
-            fits = enabled and sub.compute_dtype == jnp.float32 and amx.shape_fits(sub.kernel[...])
-            sub.amx_packed = AmxPacked(amx.pack_kernel(sub.kernel[...])) if fits else nnx.data(None)
-        elif isinstance(sub, LlamaForCausalLM):
-            fits = (enabled and sub.lm_head is None and sub.config.dtype == "float32"
-                    and amx.shape_fits(sub.embed_tokens[...].T))
-            sub.amx_head = AmxPacked(amx.pack_kernel(sub.embed_tokens[...].T)) if fits else nnx.data(None)
+        if isinstance(sub, Linear | LlamaForCausalLM):
+            w = _amx_kernel(sub) if enabled else None
+            packed = AmxPacked(amx.pack_kernel(w)) if w is not None else nnx.data(None)
+            if isinstance(sub, Linear):
+                sub.amx_packed = packed
+            else:
+                sub.amx_head = packed
     return copy
 
 
@@ -289,8 +301,7 @@ def repack_amx(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State) -> nn
     """`rest` with every `AmxPacked` recomputed from its layer's current kernel (jit it; donate `rest`)."""
     model = nnx.merge(graphdef, params, rest)
     for _, sub in nnx.iter_modules(model):
-        if isinstance(sub, Linear) and sub.amx_packed is not None:
-            sub.amx_packed.value = amx.pack_kernel(sub.kernel[...])
-        elif isinstance(sub, LlamaForCausalLM) and sub.amx_head is not None:
-            sub.amx_head.value = amx.pack_kernel(sub.embed_tokens[...].T)
+        packed = sub.amx_packed if isinstance(sub, Linear) else sub.amx_head if isinstance(sub, LlamaForCausalLM) else None
+        if packed is not None:
+            packed.value = amx.pack_kernel(_amx_kernel(sub))
     return nnx.split(model, nnx.Param, ...)[2]
