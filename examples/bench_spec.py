@@ -21,7 +21,8 @@ B = 1 and k = 3; `--sampling` adds a temperature-1 run (seed 0).
 Run: `python examples/bench_spec.py` (full), `--quick` (smoke test: B = 1, 32 tokens, 1 repeat),
 `--k 4`, `--batch-sizes 1,8`, `--repeats 3`, `--no-auto-disable`, `--auto-disable both` (a speculative engine
 with and one without), `--json-out out.json`, `--eagle examples/results/eagle3-smollm2`,
-`--min-confidence 0,0.5` (one speculative engine per value), `--num-prompts 8` (prompts 0..7 queued
+`--min-confidence 0,0.5` (one speculative engine per value), `--verify-steps 1,4` (EAGLE-3 draft-verify steps
+per device call, one engine per value), `--num-prompts 8` (prompts 0..7 queued
 through a B-sequence engine: with B = 1 each runs alone). Ends with one JSON line holding every figure.
 """
 
@@ -35,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_common
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
+import itertools  # noqa: E402
 import dataclasses  # noqa: E402
 import statistics  # noqa: E402
 from typing import Any  # noqa: E402
@@ -96,6 +98,9 @@ def parse_args() -> argparse.Namespace:
                     help="EAGLE-3: decode plainly in steps where every first draft's probability is below this "
                          "(default: the engine's, 0 = always verify); comma-separated: one "
                          "speculative engine per value")
+    ap.add_argument("--verify-steps", default=None,
+                    help="EAGLE-3: draft-verify steps per device call (Eagle3Config.num_verify_steps; default: the "
+                         "engine's); comma-separated: one speculative engine per value")
     ap.add_argument("--num-prompts", type=int, default=None,
                     help="prompts i = 0..N-1 per run (default B); with N > B they queue and run B at a time "
                          "(max_num_seqs = B), e.g. --batch-sizes 1 --num-prompts 8: eight prompts each at B = 1")
@@ -111,6 +116,9 @@ def parse_args() -> argparse.Namespace:
     if args.min_confidence is not None and not args.eagle:
         ap.error("--min-confidence is an EAGLE-3 setting (--eagle DIR)")
     args.min_confidence = [None] if args.min_confidence is None else [float(c) for c in args.min_confidence.split(",")]
+    if args.verify_steps is not None and not args.eagle:
+        ap.error("--verify-steps is an EAGLE-3 setting (--eagle DIR)")
+    args.verify_steps = [None] if args.verify_steps is None else [int(v) for v in args.verify_steps.split(",")]
     auto = args.auto_disable or ("off" if args.no_auto_disable else "on")
     args.auto_disable = {"on": [True], "off": [False], "both": [True, False]}[auto]
     return args
@@ -146,14 +154,15 @@ def main() -> None:
     kw = dict(max_num_seqs=max(args.batch_sizes), max_model_len=512)
     plain = Engine.from_pretrained(None, **kw)
     variants: list[tuple[str, Any]] = []  # (name, speculative engine), all on the plain engine's model
-    for auto in args.auto_disable:
-        for conf in args.min_confidence:
-            cfg = (Eagle3Config(args.eagle, k=args.k, auto_disable=auto,
-                                **({} if conf is None else dict(min_confidence=conf))) if args.eagle else
-                   NgramConfig(k=args.k, prompt_lookup_min=1, prompt_lookup_max=3, auto_disable=auto))
-            engine = Engine.from_model(plain.model, plain.tokenizer, **kw, speculative=cfg)
-            name = "spec" + (f" conf={engine.runner.draft_min_confidence:g}" if args.eagle else "")
-            variants.append((name + ("" if auto else " always"), engine))
+    for auto, conf, steps in itertools.product(args.auto_disable, args.min_confidence, args.verify_steps):
+        eagle_kw = {} if conf is None else dict(min_confidence=conf)
+        eagle_kw |= {} if steps is None else dict(num_verify_steps=steps)
+        cfg = (Eagle3Config(args.eagle, k=args.k, auto_disable=auto, **eagle_kw) if args.eagle else
+               NgramConfig(k=args.k, prompt_lookup_min=1, prompt_lookup_max=3, auto_disable=auto))
+        engine = Engine.from_model(plain.model, plain.tokenizer, **kw, speculative=cfg)
+        name = "spec" + (f" conf={engine.runner.draft_min_confidence:g} vs={engine.runner.num_verify_steps}"
+                         if args.eagle else "")
+        variants.append((name + ("" if auto else " always"), engine))
     tok = plain.tokenizer
     # Every bucket up front: a verification step's row count follows the draft lengths, so a warm-up
     # call of the same prompts does not compile them all (a compile inside a timed call costs seconds).
@@ -197,6 +206,7 @@ def main() -> None:
             result: dict[str, Any] = dict(
                 batch=batch, mode=mode, variant=name, num_prompts=num_prompts, prompt_tokens=[len(p) for p in prompts],
                 min_confidence=engine.runner.draft_min_confidence if args.eagle else None,
+                num_verify_steps=engine.runner.num_verify_steps if args.eagle else None,
                 auto_disable=engine.speculator.config.auto_disable, new_tokens=tokens,
                 plain_tok_s=tokens / plain_s, plain_seconds=plain_s, plain_seconds_all=seconds["plain"],
                 spec_tok_s=sum(len(t) for t in outs[name]) / spec_s, spec_seconds=spec_s, spec_seconds_all=seconds[name],

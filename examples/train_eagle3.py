@@ -42,7 +42,9 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=DEFAULT_OUT, help="where the trained head is saved")
     ap.add_argument("--quick", action="store_true", help="smoke test: 16 prompts, 32 tokens, 4 steps")
-    ap.add_argument("--num-prompts", type=int, default=384, help="training prompts (i = 1000, 1001, ...)")
+    ap.add_argument("--num-prompts", type=int, default=384, help="training prompts (i = first, first + 1, ...)")
+    ap.add_argument("--first-prompt", type=int, default=1000,
+                    help="index of the first training prompt (the held-out prompts are i < --eval-prompts)")
     ap.add_argument("--max-tokens", type=int, default=128, help="generated tokens per training prompt")
     ap.add_argument("--minutes", type=float, default=10.0, help="training time budget")
     ap.add_argument("--max-steps", type=int, default=100_000)
@@ -59,6 +61,8 @@ def parse_args() -> argparse.Namespace:
     args = ap.parse_args()
     if args.quick:
         args.num_prompts, args.max_tokens, args.max_steps, args.eval_prompts, args.eval_tokens = 16, 32, 4, 2, 16
+    if args.first_prompt < args.eval_prompts:
+        ap.error(f"--first-prompt {args.first_prompt} would train on held-out prompts i < {args.eval_prompts}")
     return args
 
 
@@ -93,7 +97,7 @@ def main() -> None:
     k = args.ttt_steps
 
     # 1. the target's own generations: greedy, and (for variety) some sampled at --temperature
-    train_prompts = [tok.encode(bc.r1_prompt(1000 + i)) for i in range(args.num_prompts)]
+    train_prompts = [tok.encode(bc.r1_prompt(args.first_prompt + i)) for i in range(args.num_prompts)]
     num_sampled = int(len(train_prompts) * args.sampled_share)
     params = [SamplingParams(temperature=args.temperature if i < num_sampled else 0.0, seed=i,
                              max_tokens=args.max_tokens, ignore_eos=True) for i in range(len(train_prompts))]

@@ -70,14 +70,14 @@ class Engine:
                                verify_rows=spec.k + 1 if spec is not None else 0)
         attention_impl = auto_attention_impl(config.attention_backend, device_mesh.devices.flat[0].platform,
                                              device_mesh.shape["model"], kv_spec.dtype, device_mesh.size)
-        draft_head = None
+        draft_head, verify_steps = None, spec.num_verify_steps if isinstance(spec, Eagle3Config) else 1
         if isinstance(spec, Eagle3Config):
             draft_head = load_eagle3_head(spec.path, cfg, aux_layer_ids=spec.aux_layer_ids)
         self.runner = ModelRunner(model, kv_spec, buckets, max_logprobs=config.max_logprobs, mesh=device_mesh,
                                   attention_impl=attention_impl, draft_head=draft_head,
                                   num_scheduler_steps=config.num_scheduler_steps,
                                   draft_min_confidence=spec.min_confidence
-                                  if isinstance(spec, Eagle3Config) else 0.0)
+                                  if isinstance(spec, Eagle3Config) else 0.0, num_verify_steps=verify_steps)
         self.block_manager = BlockManager(kv_spec.num_blocks, block_size, num_replicas=num_replicas,
                                           enable_prefix_caching=config.enable_prefix_caching)
         self.speculator = None if spec is None else Speculator(
@@ -85,7 +85,8 @@ class Engine:
             draft_fn=self._eagle_drafts if draft_head is not None else None)
         self._rejection = spec is not None and spec.verification == "rejection"
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   config.max_model_len, decode_steps=1 + (spec.k if spec else 0),
+                                                   config.max_model_len,
+                                                   decode_steps=(1 + (spec.k if spec else 0)) * verify_steps,
                                                    num_replicas=num_replicas,
                                                    num_scheduler_steps=config.num_scheduler_steps),
                                    self.block_manager)
@@ -157,10 +158,17 @@ class Engine:
         result = self.runner.run(build_step(batch, self.eos_token_ids, drafts, rejection=self._rejection,
                                             multi_step=self.config.num_scheduler_steps > 1,
                                             device_drafts=self.runner.drafter is not None))
-        if drafts is not None and result.draft_ids is not None:  # made on the device: now known
+        if drafts is not None and result.draft_ids is not None and result.steps == 1:  # made on the device: now known
             drafts = [result.draft_ids[i, :len(d)] for i, d in enumerate(drafts)]
+        steps = float(np.mean(batch.num_new_tokens))
         if drafts is None:
             finished = self.outputs.process(batch, result)
+        elif result.steps > 1:  # multi-step verification: every step's drafts come back
+            finished, records, num_steps = self.outputs.process_verify_steps(batch, result)
+            for seq, drafted, accepted in records:
+                self.speculator.record_acceptance(seq, drafted, accepted, accepted + 1, self.policy_version)
+            self.speculator.record_verify_steps(num_steps)
+            steps = float(num_steps)
         else:
             finished, accepted = self.outputs.process_verified(batch, result, drafts)
             if result.verified:
@@ -170,7 +178,7 @@ class Engine:
                 self.speculator.record_unsure(batch.seqs)
         if self.speculator is not None and not batch.is_prefill:
             self.speculator.record_step(len(batch.seqs), drafts is not None, time.perf_counter() - start,
-                                        float(np.mean(batch.num_new_tokens)), verified=result.verified)
+                                        steps, verified=result.verified)
         self.stats_.record_step(batch)
         return finished
 

@@ -62,18 +62,48 @@ class OutputProcessor:
         accepted: list[int] = []
         row = 0
         for seq, draft in zip(batch.seqs, drafts):
-            emitted = 0
-            for r in range(len(draft) + 1):
-                seq.num_computed_tokens += 1  # K/V of this row's input token is valid
-                emitted += 1
-                if self._emit(seq, result, row + r):
-                    finished.append(seq)
-                    break
-                if r < len(draft) and int(draft[r]) != seq.token_ids[-1]:
-                    break
-            accepted.append(emitted - 1)
+            done, num_accepted = self._verify_one(seq, draft, result, row)
+            finished += [seq] if done else []
+            accepted.append(num_accepted)
             row += len(draft) + 1
         return finished, accepted
+
+    def process_verify_steps(self, batch: ScheduledBatch, result: StepResult
+                             ) -> tuple[list[Sequence], list[tuple[Sequence, int, int]], int]:
+        """Apply a multi-step verification call (`result.steps` draft-verify steps run on the device): step
+        i's rows start at i * rows per step, sequence s's drafts at `draft_ids[i * S + s]`. A sequence
+        takes its `batch.num_new_tokens` steps until one finishes it (the device stopped it there too;
+        or `max_tokens`, or a stop string, which the device does not know: its later steps are ignored). Returns the finished sequences, (sequence, drafted,
+        accepted) per sequence step, and how many steps carried a live sequence."""
+        finished: list[Sequence] = []
+        records: list[tuple[Sequence, int, int]] = []
+        num_seqs, rows_per_step = len(batch.seqs), len(result.token_ids) // result.steps
+        live = list(range(num_seqs))
+        steps_run = 0
+        for i in range(result.steps):
+            if not live:
+                break
+            steps_run += 1
+            k = result.draft_ids.shape[1]
+            live = [s for s in live if i < batch.num_new_tokens[s]]
+            for s in list(live):
+                seq, draft = batch.seqs[s], result.draft_ids[i * num_seqs + s]
+                done, num_accepted = self._verify_one(seq, draft, result, i * rows_per_step + s * (k + 1))
+                records.append((seq, k, num_accepted))
+                if done:
+                    finished.append(seq)
+                    live.remove(s)
+        return finished, records, steps_run
+
+    def _verify_one(self, seq: Sequence, draft: np.ndarray, result: StepResult, row: int) -> tuple[bool, int]:
+        """One sequence's verification rows from `row`: emit while drafts match; (finished, accepted drafts)."""
+        for r in range(len(draft) + 1):
+            seq.num_computed_tokens += 1  # K/V of this row's input token is valid
+            if self._emit(seq, result, row + r):
+                return True, r
+            if r < len(draft) and int(draft[r]) != seq.token_ids[-1]:
+                return False, r
+        return False, len(draft)
 
     def _emit(self, seq: Sequence, result: StepResult, row: int) -> bool:
         """Append the token sampled in `row`; finish the sequence (and return True) if it stops."""

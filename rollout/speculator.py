@@ -101,6 +101,9 @@ class Speculator:
         per_seq = min(self.config.k, self.max_num_batched_tokens // len(batch.seqs) - 1)
         if per_seq < 1:
             return batch, None
+        steps = self._verify_steps(batch.seqs, per_seq)
+        if steps is not None:  # multi-step verification: full drafts every step
+            return dataclasses.replace(batch, num_new_tokens=steps), self.draft_fn(batch.seqs, [per_seq] * len(steps))
         limits = [min(per_seq, s.params.max_tokens - s.num_output_tokens - 1, self.max_model_len - s.num_tokens - 1)
                   for s in batch.seqs]
         drafts = self.draft_fn(batch.seqs, limits)
@@ -108,6 +111,19 @@ class Speculator:
             return one_step, None
         self.stats.num_draft_steps += 1
         return one_step, drafts
+
+    def _verify_steps(self, seqs: list[Sequence], per_seq: int) -> list[int] | None:
+        """Draft-verify steps of each sequence in one device call (EAGLE-3 `num_verify_steps`), or None
+        for one step. A step writes k + 1 positions, so a sequence takes as many as fit before
+        `max_model_len` (none fit: the call is one step), and no more than its `max_tokens` could use
+        (each step emits >= 1 token; tokens past `max_tokens` are dropped by the host)."""
+        most = self.config.num_verify_steps if isinstance(self.config, Eagle3Config) else 1
+        if most < 2 or per_seq < self.config.k:
+            return None
+        width = self.config.k + 1
+        steps = [min(most, (self.max_model_len - s.num_tokens + 1) // width, s.params.max_tokens - s.num_output_tokens)
+                 for s in seqs]
+        return steps if min(steps) >= 1 and max(steps) >= 2 else None
 
     def _ngram_drafts(self, seqs: list[Sequence], limits: list[int]) -> list[np.ndarray]:
         assert isinstance(self.config, NgramConfig)
@@ -175,6 +191,11 @@ class Speculator:
         _ema_into(self._seconds, (drafted, num_seqs), seconds)
         kind = "plain" if not drafted else "verify" if verified else "unsure"
         _ema_into(self.step_seconds, f"{kind}@{num_seqs}", seconds)
+
+    def record_verify_steps(self, num_steps: int) -> None:
+        """A multi-step verification call ran `num_steps` draft steps (each counts towards the next probe)."""
+        self.stats.num_draft_steps += num_steps
+        self._steps_since_probe += num_steps - 1
 
     def record_unsure(self, seqs: list[Sequence]) -> None:
         """A draft step that decoded plainly: one token per sequence, for the estimates that judge drafting."""

@@ -83,10 +83,14 @@ def build_verify_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...], dra
     `rejection`: row r of a sequence verifies its draft r by rejection sampling (the last row has
     none); otherwise every row replays the plain per-position draw (exact replay). `device_drafts`:
     draft j of a sequence is made on the device in the same program (`StepBatch.draft_slots`).
+    `batch.num_new_tokens` > 1: that many draft-verify steps in one device loop (its positions,
+    `min_tokens` and stops are the device's; `kv_lens` covers every step, for the page bucket).
     """
     seqs = batch.seqs
     counts = np.array([1 + len(d) for d in drafts], np.int32)
     starts = np.array([s.num_computed_tokens for s in seqs], np.int32)
+    steps = np.asarray(batch.num_new_tokens, np.int32)  # > 1: multi-step verification (EAGLE-3, device drafts)
+    multi_step = bool(np.any(steps > 1))
     token_ids = np.concatenate([np.concatenate([[s.token_ids[-1]], d]).astype(np.int32) for s, d in zip(seqs, drafts)])
     positions = np.concatenate([np.arange(a, a + n, dtype=np.int32) for a, n in zip(starts, counts)])
     row_seq = np.repeat(np.arange(len(seqs)), counts)
@@ -94,12 +98,23 @@ def build_verify_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...], dra
     suppress = np.full((len(row_seq), MAX_SUPPRESS), -1, np.int32)
     for r, (i, k) in enumerate(zip(row_seq, row_rank)):
         seq = seqs[i]
-        if seq.num_output_tokens + k < seq.params.min_tokens:
+        if seq.num_output_tokens + (0 if multi_step else k) < seq.params.min_tokens:  # steps > 1: the device decides
             ids = ending_ids(seq, eos_token_ids)
             suppress[r, :len(ids)] = ids
     params = [seqs[i].params for i in row_seq]
+    multi: dict[str, np.ndarray] = {}
+    if multi_step:
+        if not device_drafts or rejection or len(set(counts.tolist())) != 1:
+            raise ValueError("multi-step verification takes device drafts, exact replay and as many drafts per sequence")
+        stop_ids = np.full((len(seqs), MAX_SUPPRESS), -1, np.int32)
+        for i, seq in enumerate(seqs):
+            ids = ending_ids(seq, eos_token_ids, with_eos=not seq.params.ignore_eos)
+            stop_ids[i, :min(len(ids), MAX_SUPPRESS)] = ids[:MAX_SUPPRESS]
+        multi = dict(num_steps=steps[row_seq], stop_ids=stop_ids[row_seq],
+                     suppress_steps=np.array([max(0, s.params.min_tokens - s.num_output_tokens) for s in seqs],
+                                             np.int32)[row_seq])
     return StepBatch(
-        token_ids=token_ids, positions=positions, q_lens=counts, kv_lens=starts + counts,
+        token_ids=token_ids, positions=positions, q_lens=counts, kv_lens=starts + (steps if multi_step else 1) * counts,
         block_tables=[s.block_table for s in seqs],
         temperature=np.array([p.temperature for p in params], np.float32),
         top_k=np.array([p.top_k if p.top_k > 0 else 0 for p in params], np.int32),
@@ -113,4 +128,5 @@ def build_verify_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...], dra
         num_top_logprobs=max((s.params.logprobs or 0 for s in seqs), default=0),
         logits_indices=np.arange(len(token_ids), dtype=np.int32), replicas=np.array([s.replica for s in seqs], np.int32),
         draft_ids=np.concatenate([np.append(d, -1) for d in drafts]).astype(np.int32) if rejection else None,
-        draft_slots=np.concatenate([np.arange(-1, len(d), dtype=np.int32) for d in drafts]) if device_drafts else None)
+        draft_slots=np.concatenate([np.arange(-1, len(d), dtype=np.int32) for d in drafts]) if device_drafts else None,
+        **multi)

@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array
 
 from runner.attention import ATTENTION_IMPLS
-from runner.buckets import BucketConfig
+from runner.buckets import BucketConfig, pick
 from runner.cpu_attention import load as load_cpu_attention
 from runner.kernel_build import KernelStatus
 from runner.kv_cache import KVCacheSpec, allocate_kv_caches
@@ -78,15 +78,20 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_spec: KVCacheSpec, buckets: BucketConfig,
                  *, max_logprobs: int = 20, mesh: Mesh | None = None, attention_impl: str = "jax",
                  draft_head: Eagle3Head | None = None, num_scheduler_steps: int = 1,
-                 draft_min_confidence: float = 0.0) -> None:
+                 draft_min_confidence: float = 0.0, num_verify_steps: int = 1) -> None:
         """`draft_min_confidence > 0`: a verification step whose sequences' first drafts all have a lower
-        probability under the head decodes plainly in the same program (`Eagle3Drafter.verify`)."""
+        probability under the head decodes plainly in the same program (`Eagle3Drafter.verify`).
+        `num_verify_steps > 1`: with a draft head, verification may also run up to that many
+        draft-verify steps in one device loop (`Eagle3Drafter.verify_steps`)."""
         if not 0.0 <= draft_min_confidence <= 1.0:
             raise ValueError(f"draft_min_confidence must be in [0, 1], got {draft_min_confidence}")
         self.draft_min_confidence = draft_min_confidence
         if num_scheduler_steps < 1 or (num_scheduler_steps > 1 and draft_head is not None):
             raise ValueError(f"num_scheduler_steps must be >= 1 and 1 with a draft head, got {num_scheduler_steps}")
         self.num_scheduler_steps = num_scheduler_steps
+        if num_verify_steps < 1 or (num_verify_steps > 1 and draft_head is None):
+            raise ValueError(f"num_verify_steps must be >= 1 and 1 without a draft head, got {num_verify_steps}")
+        self.num_verify_steps = num_verify_steps
         self.mesh = mesh if mesh is not None else make_mesh(None)
         self.row_kernel = row_kernel_status(self.mesh, model)
         self.amx = load_amx() if self.row_kernel.available else self.row_kernel
@@ -151,6 +156,9 @@ class ModelRunner:
             device_batch = jax.device_put(padded, shardings)
         leaves = self._leaves()
         num_top = self.max_logprobs if batch.num_top_logprobs > 0 else 0
+        if batch.num_steps is not None and batch.draft_slots is not None:
+            return self._run_draft_verify_steps(batch, leaves, device_batch, layout.row_index, layout.seq_index,
+                                                num_top)
         if batch.num_steps is not None:
             return self._run_chunk(batch, leaves, device_batch, layout.row_index, num_top)
         if batch.draft_slots is not None:
@@ -207,6 +215,30 @@ class ModelRunner:
         return dataclasses.replace(_sampled_rows(out, rows, batch.num_top_logprobs), verified=bool(verified),
                                    draft_ids=np.asarray(drafts).reshape(-1, num_drafts)[seqs])
 
+    def _run_draft_verify_steps(self, batch: StepBatch, leaves: tuple[list[Array], list[Array]],
+                                device_batch: DeviceBatch, rows: np.ndarray, seqs: np.ndarray, num_top: int
+                                ) -> StepResult:
+        """Multi-step verification (EAGLE-3, exact replay): row i * num_rows + r of the result is step i's
+        sampled row r, and draft_ids[i * S + s] sequence s's drafts in step i."""
+        num_drafts = self.buckets.verify_rows - 1
+        if self.drafter is None or num_drafts < 1 or batch.draft_ids is not None or self.num_verify_steps < 2:
+            raise ValueError("multi-step verification needs a draft head, verify buckets (k >= 1), exact replay "
+                             "and num_verify_steps >= 2")
+        if np.any(batch.q_lens != num_drafts + 1):
+            raise ValueError(f"multi-step verification feeds every sequence {num_drafts} drafts; got q_lens "
+                             f"{batch.q_lens.tolist()}")
+        steps = self.num_verify_steps
+        if int(np.max(batch.num_steps, initial=1)) > steps:
+            raise ValueError(f"a sequence asks for {int(np.max(batch.num_steps))} steps; this runner runs at most {steps}")
+        self.kv_caches, out, drafts = self.drafter.verify_steps(leaves, self.kv_caches, device_batch, num_top=num_top,
+                                                                num_steps=num_drafts, max_iters=steps)
+        out, drafts = jax.device_get((out, drafts))
+        k, ran = batch.num_top_logprobs, int(np.max(batch.num_steps))  # later steps' buffers stay unwritten
+        flat = lambda x: x[:ran, rows].reshape(ran * len(rows), *x.shape[2:])  # noqa: E731
+        return StepResult(flat(out.token_ids), flat(out.logprobs), flat(out.top_ids[..., :k]),
+                          flat(out.top_logprobs[..., :k]), steps=ran,
+                          draft_ids=drafts[:ran].reshape(ran, -1, num_drafts)[:, seqs].reshape(-1, num_drafts))
+
     def _leaves(self) -> tuple[list[Array], list[Array]]:
         """Params and rest as the flat leaf lists the compiled programs take; taken per call (not
         cached), so a `sync_weights` that updates `self.params` in place is seen (and the AMX-packed
@@ -250,7 +282,26 @@ class ModelRunner:
                         step = dataclasses.replace(step, draft_ids=np.full(step.num_rows, -1, np.int32))
                     self.run(step)
                     count += 1
+            if self.num_verify_steps > 1 and not rejection:
+                for n, top in itertools.product(self._verify_steps_seqs(speculative_k), tops):
+                    self.run(self._dummy_verify_steps(n, bk.page_buckets[-1], speculative_k, top))
+                    count += 1
         return count
+
+    def _verify_steps_seqs(self, k: int) -> list[int]:
+        """One sequence count per verification bucket that multi-step verification (k + 1 tokens each) reaches."""
+        largest: dict[int, int] = {}
+        for n in range(1, self.buckets.max_num_seqs + 1):
+            if n * (k + 1) <= self.buckets.verify_buckets[-1]:
+                largest[pick(self.buckets.verify_buckets, n * (k + 1))] = n
+        return sorted(largest.values())
+
+    def _dummy_verify_steps(self, num_seqs: int, pages: int, k: int, num_top: int) -> StepBatch:
+        """A one-step multi-step verification of `num_seqs` sequences (k + 1 tokens each)."""
+        step = self._dummy_verify(num_seqs * (k + 1), pages, k, num_top)
+        rows = step.num_rows
+        return dataclasses.replace(step, num_steps=np.ones(rows, np.int32), suppress_steps=np.zeros(rows, np.int32),
+                                   stop_ids=np.full((rows, MAX_SUPPRESS), -1, np.int32))
 
     def _dummy_verify(self, n: int, pages: int, k: int, num_top: int) -> StepBatch:
         """A verification step of exactly `n` tokens (so it pads to bucket `n`): sequences of k + 1

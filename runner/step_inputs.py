@@ -75,8 +75,9 @@ class StepBatch:
     # `draft_slots[t]` (-1: `token_ids[t]` as given); the rows' `draft_ids` then follow those drafts too.
     draft_slots: np.ndarray | None = None
     want_logprob: np.ndarray | None = None  # [N] rows whose sampled token's logprob is returned (None: all)
-    # Multi-step decode (a decode batch only): the step runs up to max(num_steps) decode steps in one
-    # device loop, feeding each sampled token back. None = one plain step.
+    # Multi-step decode: the step runs up to max(num_steps) decode steps in one device loop, feeding
+    # each sampled token back. With `draft_slots` (EAGLE-3), multi-step verification: the arrays have a
+    # row per sampled row, holding its sequence's values. None = one plain step.
     num_steps: np.ndarray | None = None  # [S] decode steps of each sequence in this call (>= 1)
     suppress_steps: np.ndarray | None = None  # [S] of those, how many keep `suppress_ids` forbidden (min_tokens)
     stop_ids: np.ndarray | None = None  # [S, MAX_SUPPRESS] ids that end the sequence (EOS, stop ids), -1 = none

@@ -172,9 +172,20 @@ def record_drafts(engine: Engine) -> list[tuple[list[int], list[int]]]:
 
     def run(batch):
         result = inner_run(batch)
-        if result.draft_ids is not None and result.verified:  # an unsure step's drafts are -1
+        if result.draft_ids is not None and result.verified and result.steps == 1:  # an unsure step's drafts are -1
             assert result.draft_ids.shape == (len(histories), K)
             log.extend((h, d.tolist()) for h, d in zip(histories, result.draft_ids))
+        elif result.draft_ids is not None and result.steps > 1:  # multi-step verification: replay acceptance
+            num_seqs = len(histories)
+            assert result.draft_ids.shape == (result.steps * num_seqs, K)
+            steps = batch.num_steps[::K + 1]  # per sequence (each has K + 1 rows)
+            for i in range(result.steps):
+                for s in np.flatnonzero(steps > i):
+                    drafts = result.draft_ids[i * num_seqs + s].tolist()
+                    log.append((list(histories[s]), drafts))
+                    rows = result.token_ids[i * num_seqs * (K + 1) + s * (K + 1):][:K + 1].tolist()
+                    accepted = next((j for j in range(K) if drafts[j] != rows[j]), K)
+                    histories[s] += rows[:accepted + 1]
         return result
 
     engine.speculator.draft_fn, engine.runner.run = drafting, run
@@ -252,11 +263,13 @@ def test_checkpoint_errors_list_every_problem(model, tmp_path) -> None:
 
 # ---- drafts equal the numpy reference ---------------------------------------------------------------
 
-def test_engine_drafts_match_numpy_reference(model, trained_head_dir) -> None:
+@pytest.mark.parametrize("verify_steps", [1, 8])
+def test_engine_drafts_match_numpy_reference(model, trained_head_dir, verify_steps: int) -> None:
     """Every draft of a batched generation (prefill, decode, verification with rejections, chunked
-    prompts) equals the numpy head over the sequence's history."""
-    engine = Engine.from_model(model, ByteTokenizer(), **ENGINE_KW,
-                               speculative=Eagle3Config(trained_head_dir, k=K, auto_disable=False, min_confidence=0.0))
+    prompts; one or several draft-verify steps per device call) equals the numpy head over the
+    sequence's history."""
+    engine = Engine.from_model(model, ByteTokenizer(), **ENGINE_KW, speculative=Eagle3Config(
+        trained_head_dir, k=K, auto_disable=False, min_confidence=0.0, num_verify_steps=verify_steps))
     log = record_drafts(engine)
     prompts = prompts_for(5, 5) + [rand_prompt(np.random.default_rng(6), 80)]  # 80 tokens: a chunked prefill
     engine.generate(prompts, SamplingParams(temperature=1.0, seed=2, max_tokens=20, ignore_eos=True))
@@ -310,6 +323,48 @@ def test_eagle_with_preemption_and_rejection_mode(model, plain: Engine, trained_
     greedy = SamplingParams(temperature=0.0, max_tokens=24, logprobs=1, ignore_eos=True)
     assert_same(plain.generate(prompts, greedy), rejection.generate(prompts, greedy), logprobs=True)
     assert rejection.stats().speculative.accepted_tokens > 0
+
+
+@pytest.fixture(scope="module")
+def spec_steps(model, trained_head_dir) -> Engine:
+    return Engine.from_model(model, ByteTokenizer(), **ENGINE_KW, speculative=Eagle3Config(
+        trained_head_dir, k=K, auto_disable=False, num_verify_steps=4))
+
+
+@pytest.mark.parametrize("case", ["greedy", "t1.0", "logprobs_processed"])
+def test_multi_step_verification_equals_plain(plain: Engine, spec_steps: Engine, case: str) -> None:
+    """Up to 4 draft-verify steps per device call (acceptance on the device): plain decoding's tokens and
+    logprobs, at batch sizes 1, 8 and 32 (queued through 8 slots), with uneven `max_tokens`."""
+    before = spec_steps.stats()
+    for batch_size in (1, 8, 32):
+        prompts = prompts_for(500 + batch_size, batch_size)
+        params = [SamplingParams(seed=i, max_tokens=21 + i % 7, ignore_eos=True, **CASES[case])
+                  for i in range(batch_size)]
+        assert_same(plain.generate(prompts, params), spec_steps.generate(prompts, params), logprobs="logprobs" in case)
+    after = spec_steps.stats()
+    assert after.speculative.accepted_tokens > before.speculative.accepted_tokens
+    # several verification steps per device call
+    calls = after.num_decode_steps - before.num_decode_steps
+    assert after.speculative.num_draft_steps - before.speculative.num_draft_steps > 1.5 * calls
+
+
+def test_multi_step_verification_stops_and_preemption(model, plain: Engine, trained_head_dir) -> None:
+    """Stop ids sampled inside the device loop end the sequence there (min_tokens first suppresses them),
+    EOS counts unless ignored, and a KV cache too small for the batch (preemption) changes nothing."""
+    prompts = prompts_for(600, 6)
+    free = [SamplingParams(temperature=1.0, seed=i, max_tokens=40, ignore_eos=True) for i in range(6)]
+    runs = plain.generate(prompts, free)
+    stops = [SamplingParams(temperature=1.0, seed=i, max_tokens=40, min_tokens=4,
+                            stop_token_ids=[r.outputs[0].token_ids[2], r.outputs[0].token_ids[9]])
+             for i, r in enumerate(runs)]
+    small = Engine.from_model(model, ByteTokenizer(), **ENGINE_KW, kv_cache_blocks=MAX_LEN // 16,
+                              speculative=Eagle3Config(trained_head_dir, k=K, auto_disable=False, num_verify_steps=4))
+    expected = plain.generate(prompts, stops)
+    assert any(o.outputs[0].finish_reason == "stop" for o in expected)
+    assert_same(expected, small.generate(prompts, stops))
+    long = [dataclasses.replace(p, max_tokens=60, ignore_eos=True) for p in free]
+    assert_same(plain.generate(prompts, long), small.generate(prompts, long))
+    assert small.stats().num_preemptions > 0 and small.stats().speculative.accepted_tokens > 0
 
 
 def test_trained_head_accepts_more_than_random(model, random_head_dir, spec: Engine) -> None:
@@ -380,8 +435,10 @@ def _published(head: Eagle3Head) -> dict[str, np.ndarray]:
 
 
 def test_stats_and_auto_disable(model, random_head_dir) -> None:
+    # one step per call, as the plain steps it is compared with (a tiny model's multi-step verification
+    # can beat single plain steps on host overhead alone, even accepting nothing)
     e = Engine.from_model(model, ByteTokenizer(), **ENGINE_KW,
-                          speculative=Eagle3Config(random_head_dir, k=K, min_confidence=0.0))
+                          speculative=Eagle3Config(random_head_dir, k=K, min_confidence=0.0, num_verify_steps=1))
     e.generate(prompts_for(600, 8), SamplingParams(temperature=1.0, seed=0, max_tokens=64, ignore_eos=True))
     s = e.stats().speculative
     assert s.num_draft_steps > 0 and s.num_disabled_steps > 0  # a random head does not pay: it turns off

@@ -127,6 +127,33 @@ def first_token_batch(batch: DeviceBatch, rows: int, num_slots: int) -> DeviceBa
                        prev_slot_mapping=drop(at(batch.prev_slot_mapping)))
 
 
+def _draft(head: Eagle3Head, target: nnx.Module, cache: DraftCache, batch: DeviceBatch, num_steps: int,
+           on_mesh: bool) -> tuple[Array, Int[Array, "R S K"], DraftChain]:
+    """The head's `num_steps` drafts per sequence from the first token each sequence feeds (its drafts
+    follow it in `batch`): the head's K/V cache, the drafts and the chain after step 0."""
+    md = batch.md
+
+    def draft(kv: Array, hid: Array, token_ids: Array, positions: Array, cu_q_lens: Array, pages: Array,
+              num_seqs: Array) -> tuple[Array, Array, DraftChain]:
+        first = cu_q_lens[:-1]  # each sequence's first token: the one it feeds at c (its drafts follow)
+        last = jnp.take(token_ids, first, mode="clip")
+        return draft_paged(head, target, kv, hid, last, jnp.take(positions, first, mode="clip") - 1, pages, num_seqs,
+                           num_steps=num_steps, attention_impl=md.impl)
+
+    return _per_replica(draft, cache.kv.shape[0], on_mesh, cache.kv, cache.hidden, batch.token_ids, batch.positions,
+                        md.cu_q_lens, md.page_indices, md.num_seqs)
+
+
+def _fill_after(head: Eagle3Head, target: nnx.Module, head_kv: Array, hidden: Array, aux: Float[Array, "R T A"],
+                placed: DeviceBatch, slots: Int[Array, "R T"], prev_slots: Int[Array, "R T"],
+                shardings: CacheShardings | None) -> DraftCache:
+    """The head's cache after a verification step: what the target computed at `placed`'s tokens."""
+    fn = functools.partial(fill_cache, head, target)
+    head_kv, hidden = _per_replica(fn, head_kv.shape[0], shardings is not None, head_kv, hidden, aux, placed.token_ids,
+                                   placed.positions, slots, prev_slots)
+    return _pinned(DraftCache(head_kv, hidden), shardings)
+
+
 def _draft_verify(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: TreeDefs, shardings: CacheShardings | None,
                   kv_sharding: NamedSharding | None, head_params: list[Array], head_rest: list[Array],
                   params: list[Array], rest: list[Array], kv_caches: KVCaches, cache: DraftCache, batch: DeviceBatch,
@@ -145,18 +172,7 @@ def _draft_verify(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: TreeDefs
     head = _merge(head_gd, defs[0], defs[1], head_params, head_rest)
     target = _merge(target_gd, defs[2], defs[3], params, rest)
     md = batch.md
-    num_replicas, on_mesh = cache.kv.shape[0], shardings is not None
-
-    def draft(kv: Array, hid: Array, token_ids: Array, positions: Array, cu_q_lens: Array, pages: Array,
-              num_seqs: Array) -> tuple[Array, Array, DraftChain]:
-        first = cu_q_lens[:-1]  # each sequence's first token: the one it feeds at c (its drafts follow)
-        last = jnp.take(token_ids, first, mode="clip")
-        return draft_paged(head, target, kv, hid, last, jnp.take(positions, first, mode="clip") - 1, pages, num_seqs,
-                           num_steps=num_steps, attention_impl=md.impl)
-
-    head_kv, drafts, chain = _per_replica(draft, num_replicas, on_mesh, cache.kv,
-                                          cache.hidden, batch.token_ids, batch.positions, md.cu_q_lens,
-                                          md.page_indices, md.num_seqs)
+    head_kv, drafts, chain = _draft(head, target, cache, batch, num_steps, shardings is not None)
     placed = place_drafts(batch, drafts)
 
     def verify(kv_caches: KVCaches) -> tuple:
@@ -185,22 +201,103 @@ def _draft_verify(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: TreeDefs
     else:
         kv_caches, out, aux, slots, prev_slots = verify(kv_caches)
     # the head's fill after the branch: caches passed through a cond came back as copies (XLA:CPU)
-    fn = functools.partial(fill_cache, head, target)
-    head_kv, hidden = _per_replica(fn, num_replicas, on_mesh, head_kv, cache.hidden, aux, placed.token_ids,
-                                   placed.positions, slots, prev_slots)
-    drafts = jnp.where(unsure, -1, drafts)
-    return kv_caches, _pinned(DraftCache(head_kv, hidden), shardings), out, drafts, ~unsure
+    cache = _fill_after(head, target, head_kv, cache.hidden, aux, placed, slots, prev_slots, shardings)
+    return kv_caches, cache, out, jnp.where(unsure, -1, drafts), ~unsure
+
+
+def _draft_verify_steps(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: TreeDefs,
+                        shardings: CacheShardings | None, kv_sharding: NamedSharding | None, head_params: list[Array],
+                        head_rest: list[Array], params: list[Array], rest: list[Array], kv_caches: KVCaches,
+                        cache: DraftCache, batch: DeviceBatch, *, num_top: int, aux_layers: tuple[int, ...],
+                        num_steps: int, max_iters: int
+                        ) -> tuple[KVCaches, DraftCache, SamplerOutput, Int[Array, "I R S K"]]:
+    """Up to `max_iters` whole speculative steps (draft, verify, fill) in one device loop, exact replay only.
+
+    `batch` is the first step's verification batch: every sequence feeds its last token and `num_steps`
+    drafts (`draft_slots`), and its `chunk` holds, per row, the steps its sequence runs
+    (`num_steps`: the same for all; the host chose it so no sequence can reach `max_tokens` or
+    `max_model_len` inside the loop, and made room for all of it in the KV cache), how many more of
+    its tokens suppress `suppress_ids` (`min_tokens`) and its `stop_ids`. After each step, on the
+    device, a sequence accepts its drafts while they equal the target's tokens, and its next step
+    feeds the last target token at the next position; it stops after a step that emitted a stop id.
+    Returns every step's sampled rows `[I, R * T]` and drafts `[I, R, S, K]` (steps after a sequence
+    stopped: ignore); the host replays acceptance from them (`OutputProcessor.process_verified`).
+    """
+    head = _merge(head_gd, defs[0], defs[1], head_params, head_rest)
+    target = _merge(target_gd, defs[2], defs[3], params, rest)
+    md, chunk, sampling = batch.md, batch.chunk, batch.sampling
+    num_slots, page = kv_caches[0].shape[3] * kv_caches[0].shape[4], kv_caches[0].shape[4]
+    num_replicas, num_tokens = batch.token_ids.shape
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jax.vmap(lambda cu: jnp.clip(jnp.searchsorted(cu, t, side="right") - 1, 0, cu.shape[0] - 2))(md.cu_q_lens)
+    first = md.cu_q_lens[:, :-1]  # [R, S] each sequence's first token / row
+    rank = t[None, :] - jnp.take_along_axis(first, seq, axis=1)  # [R, T] 0 = the fed token, j = draft j - 1
+    real = t[None, :] < md.cu_q_lens[:, -1:]
+    per_seq = lambda x: jnp.take_along_axis(x, first.reshape(num_replicas, -1, *([1] * (x.ndim - 2))), axis=1,  # noqa: E731
+                                                mode="clip")
+    at_seq = lambda x: jnp.take_along_axis(x, seq, axis=1)  # noqa: E731  [R, S] -> [R, T]
+    pages_of_token = jnp.take_along_axis(md.page_indices, seq[..., None], axis=1)  # [R, T, W]
+
+    def slot_of(pos: Array, ok: Array) -> Array:
+        blk = jnp.take_along_axis(pages_of_token, (pos // page)[..., None], axis=2, mode="clip")[..., 0]
+        return jnp.where(ok & (pos >= 0), blk * page + pos % page, num_slots)
+
+    seq_real = jnp.arange(first.shape[1])[None, :] < md.num_seqs
+    iters, suppress_steps = per_seq(chunk.num_steps), per_seq(chunk.suppress_steps)
+    stop_ids = per_seq(chunk.stop_ids)  # [R, S, MAX_SUPPRESS]
+    num_rows = num_replicas * num_tokens
+    outs = SamplerOutput(jnp.zeros((max_iters, num_rows), jnp.int32), jnp.zeros((max_iters, num_rows), jnp.float32),
+                             jnp.zeros((max_iters, num_rows, num_top), jnp.int32),
+                             jnp.zeros((max_iters, num_rows, num_top), jnp.float32))
+    all_drafts = jnp.zeros((max_iters, *first.shape, num_steps), jnp.int32)
+
+    def body(carry: tuple) -> tuple:
+        it, kv_caches, cache, fed, last, emitted, active, outs, all_drafts = carry
+        pos = at_seq(fed) + rank
+        ok = real & at_seq(active)
+        slots, prev_slots = slot_of(pos, ok), slot_of(pos - 1, ok)
+        suppress = jnp.where((at_seq(emitted) + rank < at_seq(suppress_steps))[..., None], sampling.suppress_ids, -1)
+        step = dataclasses.replace(
+            batch, token_ids=jnp.where(rank == 0, at_seq(last), batch.token_ids), positions=pos,
+            md=dataclasses.replace(md, slot_mapping=slots, kv_lens=jnp.where(seq_real, fed + num_steps + 1, 0)),
+            prev_slot_mapping=prev_slots, chunk=None,
+            sampling=dataclasses.replace(sampling, positions=pos + 1, suppress_ids=suppress))
+        head_kv, drafts, _ = _draft(head, target, cache, step, num_steps, shardings is not None)
+        placed = place_drafts(step, drafts)
+        kv_caches, out, _, aux = forward_and_sample(target, kv_caches, placed, num_top=num_top,
+                                                         token_logprobs=False, aux_layers=aux_layers,
+                                                         kv_sharding=kv_sharding)
+        cache = _fill_after(head, target, head_kv, cache.hidden, aux, placed, slots, prev_slots, shardings)
+        rows = first[..., None] + jnp.arange(num_steps + 1)  # [R, S, K + 1]
+        sampled = jnp.take_along_axis(out.token_ids.reshape(num_replicas, num_tokens),
+                                          rows.reshape(num_replicas, -1), axis=1, mode="clip").reshape(rows.shape)
+        accepted = jnp.sum(jnp.cumprod(drafts == sampled[..., :-1], axis=-1), axis=-1)  # [R, S]
+        kept = jnp.arange(num_steps + 1) <= accepted[..., None]
+        stopped = jnp.any(kept & jnp.any(sampled[..., None] == stop_ids[:, :, None, :], axis=-1), axis=-1)
+        nxt = jnp.take_along_axis(sampled, accepted[..., None], axis=-1)[..., 0]
+        outs = jax.tree.map(lambda buf, x: buf.at[it].set(x), outs, out)
+        return (it + 1, kv_caches, cache, jnp.where(active, fed + accepted + 1, fed), jnp.where(active, nxt, last),
+                jnp.where(active, emitted + accepted + 1, emitted), active & ~stopped & (it + 1 < iters), outs,
+                all_drafts.at[it].set(drafts))
+
+    carry = (jnp.int32(0), kv_caches, cache, per_seq(batch.positions), per_seq(batch.token_ids),
+             jnp.zeros_like(first), seq_real & (iters > 0), outs, all_drafts)
+    _, kv_caches, cache, _, _, _, _, outs, all_drafts = jax.lax.while_loop(lambda c: jnp.any(c[6]), body, carry)
+    return kv_caches, cache, outs, all_drafts
 
 
 @functools.lru_cache(maxsize=None)
 def _compiled(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: TreeDefs, shardings: CacheShardings | None,
-              kv_sharding: NamedSharding | None) -> tuple[Callable[..., DraftCache], Callable[..., tuple]]:
-    """The jitted fill and draft-verify programs of one (head, target) structure and cache layout, shared
-    by engines."""
+              kv_sharding: NamedSharding | None
+              ) -> tuple[Callable[..., DraftCache], Callable[..., tuple], Callable[..., tuple]]:
+    """The jitted fill, draft-verify and multi-step draft-verify programs of one (head, target) structure
+    and cache layout, shared by engines."""
     fill = jax.jit(functools.partial(_fill, head_gd, target_gd, defs, shardings), donate_argnums=(4,))
     verify = jax.jit(functools.partial(_draft_verify, head_gd, target_gd, defs, shardings, kv_sharding),
                      static_argnames=("num_top", "aux_layers", "num_steps", "plain_rows"), donate_argnums=(4, 5))
-    return fill, verify
+    verify_steps = jax.jit(functools.partial(_draft_verify_steps, head_gd, target_gd, defs, shardings, kv_sharding),
+                           static_argnames=("num_top", "aux_layers", "num_steps", "max_iters"), donate_argnums=(4, 5))
+    return fill, verify, verify_steps
 
 
 class Eagle3Drafter:
@@ -227,7 +324,7 @@ class Eagle3Drafter:
             hidden=jax.jit(lambda: jnp.zeros(hidden_shape, cfg.dtype), out_shardings=hidden_sharding)())
         defs = (jax.tree.structure(self.params), jax.tree.structure(self.rest), *target_defs)
         shardings = (kv_sharding, hidden_sharding) if mesh.size > 1 else None
-        self._fill_fn, self._verify_fn = _compiled(graphdef, target_graphdef, defs, shardings, target_kv_sharding)
+        self._fill_fn, self._verify_fn, self._verify_steps_fn = _compiled(graphdef, target_graphdef, defs, shardings, target_kv_sharding)
 
     @property
     def head(self) -> Eagle3Head:
@@ -248,6 +345,15 @@ class Eagle3Drafter:
             *self._head_leaves(), *target, kv_caches, self.cache, batch, np.float32(min_confidence), num_top=num_top,
             aux_layers=self.aux_layers, num_steps=num_steps, plain_rows=plain_rows)
         return kv_caches, out, drafts, verified
+
+    def verify_steps(self, target: TargetLeaves, kv_caches: KVCaches, batch: DeviceBatch, *, num_top: int,
+                     num_steps: int, max_iters: int) -> tuple[KVCaches, SamplerOutput, Int[Array, "I R S K"]]:
+        """Up to `max_iters` draft-verify-fill steps in one device loop (`_draft_verify_steps`; `batch.chunk`
+        says how many each sequence runs); returns the target's caches, every step's sampled rows and drafts."""
+        kv_caches, self.cache, out, drafts = self._verify_steps_fn(
+            *self._head_leaves(), *target, kv_caches, self.cache, batch, num_top=num_top, aux_layers=self.aux_layers,
+            num_steps=num_steps, max_iters=max_iters)
+        return kv_caches, out, drafts
 
     def _head_leaves(self) -> tuple[list[Array], list[Array]]:
         """The head's parameters as flat leaf lists, taken per call (in-place syncs are seen)."""
