@@ -83,8 +83,8 @@ def build_verify_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...], dra
     `rejection`: row r of a sequence verifies its draft r by rejection sampling (the last row has
     none); otherwise every row replays the plain per-position draw (exact replay). `device_drafts`:
     draft j of a sequence is made on the device in the same program (`StepBatch.draft_slots`).
-    `batch.num_new_tokens` > 1: that many draft-verify steps in one device loop (its positions,
-    `min_tokens` and stops are the device's; `kv_lens` covers every step, for the page bucket).
+    `batch.num_new_tokens` > 1: that many draft-verify steps in one device loop (the arrays describe
+    the first; later steps' positions, `min_tokens` and stops are the device's).
     """
     seqs = batch.seqs
     counts = np.array([1 + len(d) for d in drafts], np.int32)
@@ -114,7 +114,7 @@ def build_verify_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...], dra
                      suppress_steps=np.array([max(0, s.params.min_tokens - s.num_output_tokens) for s in seqs],
                                              np.int32)[row_seq])
     return StepBatch(
-        token_ids=token_ids, positions=positions, q_lens=counts, kv_lens=starts + (steps if multi_step else 1) * counts,
+        token_ids=token_ids, positions=positions, q_lens=counts, kv_lens=starts + counts,
         block_tables=[s.block_table for s in seqs],
         temperature=np.array([p.temperature for p in params], np.float32),
         top_k=np.array([p.top_k if p.top_k > 0 else 0 for p in params], np.int32),

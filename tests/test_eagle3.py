@@ -350,15 +350,18 @@ def test_multi_step_verification_equals_plain(plain: Engine, spec_steps: Engine,
 
 def test_multi_step_verification_stops_and_preemption(model, plain: Engine, trained_head_dir) -> None:
     """Stop ids sampled inside the device loop end the sequence there (min_tokens first suppresses them),
-    EOS counts unless ignored, and a KV cache too small for the batch (preemption) changes nothing."""
+    EOS counts unless ignored, and a KV cache too small for the batch (preemption) changes nothing; on
+    the pure-JAX attention path (accelerators; its cascade over pages common to all sequences)."""
     prompts = prompts_for(600, 6)
     free = [SamplingParams(temperature=1.0, seed=i, max_tokens=40, ignore_eos=True) for i in range(6)]
     runs = plain.generate(prompts, free)
     stops = [SamplingParams(temperature=1.0, seed=i, max_tokens=40, min_tokens=4,
                             stop_token_ids=[r.outputs[0].token_ids[2], r.outputs[0].token_ids[9]])
              for i, r in enumerate(runs)]
-    small = Engine.from_model(model, ByteTokenizer(), **ENGINE_KW, kv_cache_blocks=MAX_LEN // 16,
+    small = Engine.from_model(model, ByteTokenizer(), **ENGINE_KW, kv_cache_blocks=MAX_LEN // 16, attention_backend="jax",
                               speculative=Eagle3Config(trained_head_dir, k=K, auto_disable=False, num_verify_steps=4))
+    one = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)]
+    assert_same(plain.generate(prompts[:1], one), small.generate(prompts[:1], one))  # B=1: all pages common
     expected = plain.generate(prompts, stops)
     assert any(o.outputs[0].finish_reason == "stop" for o in expected)
     assert_same(expected, small.generate(prompts, stops))
