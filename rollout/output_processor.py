@@ -70,22 +70,23 @@ class OutputProcessor:
 
     def process_verify_steps(self, batch: ScheduledBatch, result: StepResult
                              ) -> tuple[list[Sequence], list[tuple[Sequence, int, int]], int]:
-        """Apply a multi-step verification call (`result.steps` draft-verify steps run on the device): step
+        """Apply a multi-step verification call (`result.steps` draft-verify steps ran on the device): step
         i's rows start at i * rows per step, sequence s's drafts at `draft_ids[i * S + s]`. A sequence
         takes its `batch.num_new_tokens` steps until one finishes it (the device stopped it there too;
-        or `max_tokens`, or a stop string, which the device does not know: its later steps are ignored). Returns the finished sequences, (sequence, drafted,
-        accepted) per sequence step, and how many steps carried a live sequence."""
+        or `max_tokens` or a stop string, which the device does not check: its later steps are dropped).
+        Returns the finished sequences, (sequence, drafted, accepted) per sequence step, and how many
+        steps carried a live sequence."""
         finished: list[Sequence] = []
         records: list[tuple[Sequence, int, int]] = []
         num_seqs, rows_per_step = len(batch.seqs), len(result.token_ids) // result.steps
+        k = result.draft_ids.shape[1]
         live = list(range(num_seqs))
         steps_run = 0
         for i in range(result.steps):
+            live = [s for s in live if i < batch.num_new_tokens[s]]
             if not live:
                 break
             steps_run += 1
-            k = result.draft_ids.shape[1]
-            live = [s for s in live if i < batch.num_new_tokens[s]]
             for s in list(live):
                 seq, draft = batch.seqs[s], result.draft_ids[i * num_seqs + s]
                 done, num_accepted = self._verify_one(seq, draft, result, i * rows_per_step + s * (k + 1))

@@ -48,7 +48,9 @@ class StepResult:
     token_logprobs: np.ndarray | None = None  # [T] raw logprob of target_ids[t] after token t
     token_top_ids: np.ndarray | None = None  # [T, K]
     token_top_logprobs: np.ndarray | None = None  # [T, K]
-    steps: int = 1  # rows per sequence: a multi-step decode call's row i * steps + t is sequence i's step t
+    # rows per sequence: a multi-step decode call's row i * steps + t is sequence i's step t; a multi-step
+    # verification call's rows are step-major (see `ModelRunner._run_draft_verify_steps`)
+    steps: int = 1
     draft_ids: np.ndarray | None = None  # [S, k] drafts made on the device (`StepBatch.draft_slots`)
     verified: bool = True  # False: the head was unsure and the step decoded plainly (drafts all -1)
 
