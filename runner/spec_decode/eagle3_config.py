@@ -6,7 +6,8 @@ import dataclasses
 
 VERIFICATION_MODES = ("exact", "rejection")
 # Draft-verify steps per device call by default: on the 2-core CPU at B=1 (R1, k=3) 8 steps per call
-# measured 1.30x plain decoding where 1 step per call measured 1.11x (bench_spec.py --verify-steps 1,4,8).
+# measured 1.18x plain decoding where 1 step per call measured 1.07x (median of 3; 1.30x vs 1.11x in
+# another run; bench_spec.py --verify-steps 1,8, README).
 DEFAULT_VERIFY_STEPS = 8
 
 
