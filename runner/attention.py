@@ -144,6 +144,17 @@ def _pallas_decode(
     return jnp.where((kv_lens > 0)[:, None, None], out, 0.0).astype(queries.dtype)
 
 
+def paged_slots(page_indices: Int[Array, "... W"], positions: Int[Array, "..."], page_size: int, num_slots: int,
+                valid: Array | bool = True) -> Int[Array, "..."]:
+    """The KV slot of each position through its sequence's page table (`page_indices[..., i]`: the block
+    holding positions [i * page_size, (i + 1) * page_size)); `num_slots` (a write there is dropped)
+    where not `valid`, for a negative position, or past the table."""
+    page = positions // page_size
+    blocks = jnp.take_along_axis(page_indices, page[..., None], axis=-1, mode="clip")[..., 0]
+    ok = valid & (positions >= 0) & (page < page_indices.shape[-1])
+    return jnp.where(ok, blocks * page_size + positions % page_size, num_slots)
+
+
 def write_kv(
     kv_pages: Float[Array, "2 Hkv P page D"],
     k: Float[Array, "T Hkv D"],

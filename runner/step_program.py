@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jaxtyping import Array, Float, Int
 
-from runner.attention import AttentionMetadata
+from runner.attention import AttentionMetadata, paged_slots
 from runner.models.llama import KVCaches, LlamaForCausalLM
 from runner.sampler import SamplerOutput, sample
 from runner.step_inputs import SAMPLER_MODES, DeviceBatch
@@ -106,8 +106,7 @@ def _decode_chunk(graphdef: nnx.GraphDef, params_def: jax.tree_util.PyTreeDef, r
              ) -> tuple[Array, KVCaches, Array, Array, SamplerOutput]:
         t, kv, token_ids, active, outs = carry
         positions = batch.positions + jnp.minimum(t, last)
-        pages = jnp.take_along_axis(md.page_indices, (positions // page_size)[..., None], axis=-1)[..., 0]
-        slots = jnp.where(active, pages * page_size + positions % page_size, num_pages * page_size)
+        slots = paged_slots(md.page_indices, positions, page_size, num_pages * page_size, active)
         suppress = jnp.where((t < chunk.suppress_steps)[..., None], sampling.suppress_ids, -1)
         step = dataclasses.replace(
             batch, token_ids=token_ids, positions=positions,

@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from runner.attention import MASK_VALUE, AttentionMetadata, paged_attention, write_kv
+from runner.attention import MASK_VALUE, AttentionMetadata, paged_attention, paged_slots, write_kv
 from runner.models.config import ModelConfig, RopeScaling
 from runner.models.llama import MLP, Linear, LlamaForCausalLM, RMSNorm, apply_rope, rope_inv_freq
 from runner.sampler_blocks import argmax_last
@@ -264,8 +264,7 @@ def draft_paged(head: Eagle3Head, target: LlamaForCausalLM, kv: Float[Array, "2 
     cu_q_lens = jnp.arange(num_rows + 1, dtype=jnp.int32)
 
     def slot_of(pos: Array) -> Array:
-        blk = jnp.take_along_axis(page_indices, (pos // page)[:, None], axis=1, mode="clip")[:, 0]
-        return jnp.where(valid & (pos // page < page_indices.shape[1]), blk * page + pos % page, num_slots)
+        return paged_slots(page_indices, pos, page, num_slots, valid)
 
     def step(kv: Array, g: Array, tok: Array, j: Array | int) -> tuple[Array, Array, Array]:
         pos = positions + j

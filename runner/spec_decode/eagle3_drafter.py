@@ -28,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jax.tree_util import PyTreeDef
 from jaxtyping import Array, Bool, Float, Int
 
+from runner.attention import paged_slots
 from runner.kv_cache import KVCacheSpec
 from runner.models.llama import KVCaches
 from runner.sampler import SamplerOutput
@@ -237,10 +238,7 @@ def _draft_verify_steps(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: Tr
                                                 mode="clip")
     at_seq = lambda x: jnp.take_along_axis(x, seq, axis=1)  # noqa: E731  [R, S] -> [R, T]
     pages_of_token = jnp.take_along_axis(md.page_indices, seq[..., None], axis=1)  # [R, T, W]
-
-    def slot_of(pos: Array, ok: Array) -> Array:
-        blk = jnp.take_along_axis(pages_of_token, (pos // page)[..., None], axis=2, mode="clip")[..., 0]
-        return jnp.where(ok & (pos >= 0), blk * page + pos % page, num_slots)
+    slot_of = lambda pos, ok: paged_slots(pages_of_token, pos, page, num_slots, ok)  # noqa: E731
 
     seq_real = jnp.arange(first.shape[1])[None, :] < md.num_seqs
     iters, suppress_steps = per_seq(chunk.num_steps), per_seq(chunk.suppress_steps)
