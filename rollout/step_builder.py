@@ -23,6 +23,18 @@ def suppressed_ids(seq: Sequence, eos_token_ids: tuple[int, ...]) -> list[int]:
     return ending_ids(seq, eos_token_ids)
 
 
+def device_stops(seqs: list[Sequence], eos_token_ids: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Per sequence, for a device loop: how many more tokens keep its ending ids suppressed (`min_tokens`),
+    and the ids that stop it (EOS unless ignored, its stop ids). Only lets the device stop early: the host
+    applies every stop rule afterwards."""
+    suppress_steps = np.array([max(0, s.params.min_tokens - s.num_output_tokens) for s in seqs], np.int32)
+    stop_ids = np.full((len(seqs), MAX_SUPPRESS), -1, np.int32)
+    for i, seq in enumerate(seqs):
+        ids = ending_ids(seq, eos_token_ids, with_eos=not seq.params.ignore_eos)
+        stop_ids[i, :min(len(ids), MAX_SUPPRESS)] = ids[:MAX_SUPPRESS]
+    return suppress_steps, stop_ids
+
+
 def build_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...],
                drafts: list[np.ndarray] | None = None, *, rejection: bool = False, multi_step: bool = False,
                device_drafts: bool = False) -> StepBatch:
@@ -35,13 +47,9 @@ def build_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...],
         return build_verify_step(batch, eos_token_ids, drafts, rejection=rejection, device_drafts=device_drafts)
     if multi_step and not batch.is_prefill:
         one = build_step(ScheduledBatch(False, batch.seqs, [1] * len(batch.seqs)), eos_token_ids)
-        suppress_steps = [max(0, s.params.min_tokens - s.num_output_tokens) for s in batch.seqs]
-        stop_ids = np.full((len(batch.seqs), MAX_SUPPRESS), -1, np.int32)
-        for i, seq in enumerate(batch.seqs):  # only lets the device stop early: the host applies every stop rule
-            ids = ending_ids(seq, eos_token_ids, with_eos=not seq.params.ignore_eos)
-            stop_ids[i, :min(len(ids), MAX_SUPPRESS)] = ids[:MAX_SUPPRESS]
+        suppress_steps, stop_ids = device_stops(batch.seqs, eos_token_ids)
         return dataclasses.replace(one, num_steps=np.asarray(batch.num_new_tokens, np.int32),
-                                   suppress_steps=np.asarray(suppress_steps, np.int32), stop_ids=stop_ids)
+                                   suppress_steps=suppress_steps, stop_ids=stop_ids)
     seqs, counts = batch.seqs, np.asarray(batch.num_new_tokens, np.int32)
     starts = np.array([s.num_computed_tokens for s in seqs], np.int32)
     kv_lens = starts + counts
@@ -106,13 +114,8 @@ def build_verify_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...], dra
     if multi_step:
         if not device_drafts or rejection or len(set(counts.tolist())) != 1:
             raise ValueError("multi-step verification takes device drafts, exact replay and as many drafts per sequence")
-        stop_ids = np.full((len(seqs), MAX_SUPPRESS), -1, np.int32)
-        for i, seq in enumerate(seqs):
-            ids = ending_ids(seq, eos_token_ids, with_eos=not seq.params.ignore_eos)
-            stop_ids[i, :min(len(ids), MAX_SUPPRESS)] = ids[:MAX_SUPPRESS]
-        multi = dict(num_steps=steps[row_seq], stop_ids=stop_ids[row_seq],
-                     suppress_steps=np.array([max(0, s.params.min_tokens - s.num_output_tokens) for s in seqs],
-                                             np.int32)[row_seq])
+        suppress_steps, stop_ids = device_stops(seqs, eos_token_ids)
+        multi = dict(num_steps=steps[row_seq], suppress_steps=suppress_steps[row_seq], stop_ids=stop_ids[row_seq])
     return StepBatch(
         token_ids=token_ids, positions=positions, q_lens=counts, kv_lens=starts + counts,
         block_tables=[s.block_table for s in seqs],
