@@ -24,9 +24,10 @@ namespace {
 constexpr int kMaxRows = 64;        // RowMatmul; RowMatmulNT takes up to 8
 constexpr int kGroupRows = 6;       // rows per register block past 8 rows: 6 x 4 accumulators + 4 weights
 constexpr int64_t kGroupRowBlock = 512;  // weight rows per block past 8 rows
-constexpr int64_t kRowBlock = 32;  // weight rows read together (RowMatmul): 32 concurrent streams
+constexpr int64_t kRowBlock = 8;   // weight rows read together (RowMatmul), the next block prefetched meanwhile
 constexpr int kStripVectors = 4;   // 64 output columns held in registers per row (RowMatmul)
 constexpr int kNtAlign = 24;       // RowMatmulNT column chunks: a multiple of every block size J
+constexpr int64_t kNtAhead = 16;    // RowMatmulNT prefetches the weight row this many rows ahead
 // Sized for AVX-512's 32 registers of 16 floats. Built for AVX2 (x86-64-v3) the same code ran
 // 2.5-3x slower than XLA's dot, so runner/row_matmul.py builds it only where AVX-512 is present.
 #if !defined(__AVX512F__)
@@ -50,16 +51,21 @@ inline float hsum(v16 v) {  // a fixed tree: 16 -> 8 -> 4 -> 1
 
 // One strip of 64 columns starting at n, rows [0, M) of y (+)= x[:, k0:k1] @ w[k0:k1]: the strip's
 // accumulators live in registers; `first`: y holds nothing yet. Each output sums its terms in k order.
-// `ws` points at w[k0, n] and steps `ldw` floats per weight row.
+// `ws` points at w[k0, n] and steps `ldw` floats per weight row. `ahead` > 0: each weight load also
+// prefetches (into L2) the line `ahead` floats further on: the same strip of the next block of rows.
 template <int M>
 inline void nn_strip(const float* __restrict x, const float* __restrict ws, int64_t ldw, float* __restrict y,
-                     int64_t K, int64_t N, int64_t n, int64_t k0, int64_t k1, bool first) {
+                     int64_t K, int64_t N, int64_t n, int64_t k0, int64_t k1, bool first, int64_t ahead = 0) {
   v16 acc[M][kStripVectors];
   for (int m = 0; m < M; ++m)
     for (int u = 0; u < kStripVectors; ++u) acc[m][u] = first ? v16{} : load(y + m * N + n + 16 * u);
   for (int64_t k = k0; k < k1; ++k) {
     v16 wv[kStripVectors];
-    for (int u = 0; u < kStripVectors; ++u) wv[u] = load(ws + (k - k0) * ldw + 16 * u);
+    const float* wk = ws + (k - k0) * ldw;
+    for (int u = 0; u < kStripVectors; ++u) {
+      if (ahead > 0) __builtin_prefetch(wk + ahead + 16 * u, 0, 2);
+      wv[u] = load(wk + 16 * u);
+    }
     for (int m = 0; m < M; ++m) {
       const float xs = x[m * K + k];
       for (int u = 0; u < kStripVectors; ++u) acc[m][u] += xs * wv[u];  // one FMA (-ffp-contract=fast)
@@ -81,15 +87,18 @@ inline void nn_tail(int rows, const float* x, const float* w, float* y, int64_t 
 }
 
 // Columns [n0, n1) of y = x[:, kb:ke] @ w[kb:ke], w [K, N], for M <= 8 rows (bandwidth-bound): all rows
-// share each pass over a block of weight rows; y holds the partial sums between blocks.
+// share each pass over a block of weight rows; y holds the partial sums between blocks. The software
+// prefetch of the next block is what keeps 4-8 rows at the memory bandwidth of one: without it the
+// model's matmuls took 1.4x / 1.8x longer at 4 / 8 rows than at 1 (docs/engineering-notes.md).
 template <int M>
 void nn_columns(const float* __restrict x, const float* __restrict w, float* __restrict y,
                 int64_t K, int64_t N, int64_t n0, int64_t n1, int64_t kb, int64_t ke) {
   constexpr int64_t strip = 16 * kStripVectors;
   for (int64_t k0 = kb; k0 < ke; k0 += kRowBlock) {
     const int64_t k1 = std::min(ke, k0 + kRowBlock);
+    const int64_t ahead = k1 + kRowBlock <= K ? kRowBlock * N : 0;
     int64_t n = n0;
-    for (; n + strip <= n1; n += strip) nn_strip<M>(x, w + k0 * N + n, N, y, K, N, n, k0, k1, k0 == kb);
+    for (; n + strip <= n1; n += strip) nn_strip<M>(x, w + k0 * N + n, N, y, K, N, n, k0, k1, k0 == kb, ahead);
     nn_tail(M, x, w, y, K, N, n, n1, k0, k1, k0 == kb);
   }
 }
@@ -132,9 +141,13 @@ inline void nt_block(const float* __restrict x, const float* __restrict w, float
                      int64_t K, int64_t N, int64_t n) {
   v16 acc[M][J] = {};
   const int64_t full = K / 16 * 16;
+  const int64_t ahead = n + J + kNtAhead <= N ? kNtAhead * K : 0;
   for (int64_t k = 0; k < full; k += 16) {
     v16 wv[J];
-    for (int j = 0; j < J; ++j) wv[j] = load(w + (n + j) * K + k);
+    for (int j = 0; j < J; ++j) {
+      if (ahead > 0) __builtin_prefetch(w + (n + j) * K + k + ahead, 0, 2);  // into L2
+      wv[j] = load(w + (n + j) * K + k);
+    }
     for (int m = 0; m < M; ++m) {
       const v16 xv = load(x + m * K + k);
       for (int j = 0; j < J; ++j) acc[m][j] += xv * wv[j];
@@ -153,7 +166,9 @@ inline void nt_block(const float* __restrict x, const float* __restrict w, float
 }
 
 // Columns [n0, n1) of y = x @ w^T, w [N, K]: dot products over contiguous weight rows, as many weight
-// rows per block as AVX-512's 32 registers hold accumulators for (M * J + J + 1 <= 32).
+// rows per block as AVX-512's 32 registers hold accumulators for (M * J + J + 1 <= 32). Prefetching the
+// rows kNtAhead further on took the tied LM head of SmolLM2 from 4.3 / 6.5 / 8.1 ms to 3.9 / 4.5 / 5.1 ms
+// at 1 / 4 / 8 rows (the memory bandwidth at every row count; docs/engineering-notes.md).
 template <int M>
 void nt_columns(const float* __restrict x, const float* __restrict w, float* __restrict y,
                 int64_t K, int64_t N, int64_t n0, int64_t n1) {
