@@ -58,7 +58,8 @@ def _build(source: Path, compiler: str) -> Path:
     """The compiled library of `source`, built into the cache directory unless already there."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     flags = ["-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC", "-w"]
-    key = hashlib.sha256("\0".join([source.read_text(), jaxlib.__version__, version, _cpu_id(), *flags]).encode())
+    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # pool_items.h and the like
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, jaxlib.__version__, version, _cpu_id(), *flags]).encode())
     cache = Path(os.environ.get("JAX_ROLLOUT_CACHE_DIR", Path.home() / ".cache" / "jax-rollout"))
     try:
         cache.mkdir(parents=True, exist_ok=True)
@@ -69,7 +70,7 @@ def _build(source: Path, compiler: str) -> Path:
     if library.exists():
         return library
     partial = cache / f"{library.name}.{os.getpid()}.tmp"  # concurrent builders (pytest-xdist) each rename theirs
-    result = subprocess.run([compiler, *flags, f"-I{jax.ffi.include_dir()}", str(source), "-o", str(partial)],
+    result = subprocess.run([compiler, *flags, f"-I{jax.ffi.include_dir()}", f"-I{source.parent}", str(source), "-o", str(partial)],
                             capture_output=True, text=True, timeout=300)
     if result.returncode != 0:
         partial.unlink(missing_ok=True)

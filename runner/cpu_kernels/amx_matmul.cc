@@ -17,12 +17,12 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
 
+#include "pool_items.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -135,28 +135,10 @@ void column_block(const uint16_t* xs, const uint16_t* wp, float* y, int64_t M, i
 #undef JR_STORE
 }
 
-// Work items (row group, chunk of column blocks) claimed through an atomic counter by the caller and the
-// pool's threads, as in row_matmul.cc (a task that starts late finds nothing left: no deadlock).
-struct Work {
-  const uint16_t* xs;  // [groups][3 parts][4 tiles][K/32][512]
-  const uint16_t* wp;
-  float* y;
-  int64_t M, K, N, num_blocks, chunk, chunks_per_group, num_items;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-
-  void drain() {
-    bool configured = false;
-    const int64_t group_elems = 3 * int64_t{kGroupTiles} * (K / 32) * kTileElems;
-    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < num_items;) {
-      if (!configured) configure_tiles(), configured = true;
-      const int64_t g = i / chunks_per_group, c = i % chunks_per_group;
-      for (int64_t nb = c * chunk; nb < std::min(num_blocks, (c + 1) * chunk); ++nb)
-        column_block(xs + g * group_elems, wp, y, M, K, N, g * kGroupRows, nb);
-      done.fetch_add(1, std::memory_order_release);
-    }
-    if (configured) _tile_release();
-  }
+// AMX tile state on a thread for as long as it works on items (pool_items.h's per-thread scope).
+struct AmxTiles {
+  AmxTiles() { configure_tiles(); }
+  ~AmxTiles() { _tile_release(); }
 };
 #endif  // JAX_ROLLOUT_NO_AMX
 
@@ -180,21 +162,19 @@ ffi::Error AmxMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   std::unique_ptr<uint16_t, decltype(&std::free)> xs(static_cast<uint16_t*>(std::aligned_alloc(64, bytes)), &std::free);
   for (int64_t g = 0; g < groups; ++g) split_rows(x.typed_data(), M, K, g * kGroupRows, xs.get() + g * group_elems);
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  auto work = std::make_shared<Work>();
-  work->xs = xs.get();
-  work->wp = packed.typed_data();
-  work->y = y->typed_data();
-  work->M = M;
-  work->K = K;
-  work->N = N;
-  work->num_blocks = N / 16;
+  const int64_t num_blocks = N / 16;
   const int64_t per_group = std::max<int64_t>(1, 2 * threads / groups);  // ~2 items per thread in all
-  work->chunk = std::max<int64_t>(1, (work->num_blocks + per_group - 1) / per_group);
-  work->chunks_per_group = (work->num_blocks + work->chunk - 1) / work->chunk;
-  work->num_items = groups * work->chunks_per_group;
-  for (int64_t t = 1; t < std::min(threads, work->num_items); ++t) pool.Schedule([work] { work->drain(); });
-  work->drain();
-  while (work->done.load(std::memory_order_acquire) < work->num_items) __builtin_ia32_pause();
+  const int64_t chunk = std::max<int64_t>(1, (num_blocks + per_group - 1) / per_group);
+  const int64_t chunks_per_group = (num_blocks + chunk - 1) / chunk;
+  const uint16_t* xsp = xs.get();
+  const uint16_t* wp = packed.typed_data();
+  float* yp = y->typed_data();
+  // items (row group, chunk of column blocks) over the pool (pool_items.h)
+  jax_rollout::run_items<AmxTiles>(pool, groups * chunks_per_group, threads, [=](int64_t i) {
+    const int64_t g = i / chunks_per_group, c = i % chunks_per_group;
+    for (int64_t nb = c * chunk; nb < std::min(num_blocks, (c + 1) * chunk); ++nb)
+      column_block(xsp + g * group_elems, wp, yp, M, K, N, g * kGroupRows, nb);
+  });
   return ffi::Error::Success();
 #endif
 }

@@ -11,13 +11,13 @@
 //   out[t, h * G + g, :] = softmax_k(scale * q[t, h * G + g, :] . K[h, key, :]) @ V[h, key, :]
 //   over the keys of t's sequence at positions <= t's position (kv_len - q_len + index in sequence).
 #include <algorithm>
-#include <atomic>
 #include <cfloat>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <vector>
 
+#include "pool_items.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -236,22 +236,6 @@ void attend_item(const Problem& pb, int64_t item) {
   }
 }
 
-// Items claimed through an atomic counter by the calling thread and the pool's (see row_matmul.cc:
-// a task that starts late finds nothing left, so two kernels on the pool cannot wait on each other).
-struct Work {
-  Problem pb;
-  int64_t num_items;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-
-  void drain() {
-    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < num_items;) {
-      attend_item(pb, i);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kv,
                               ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_indices,
                               ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs, float sm_scale,
@@ -262,24 +246,19 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
     return ffi::Error::InvalidArgument("paged_attention: q [T, Hq, D], kv [2, Hkv, P, page, D], kv_lens [S], "
                                        "page_indices [S, W], cu_q_lens [S + 1]");
   if (qd[2] < 1 || qd[2] > 256) return ffi::Error::InvalidArgument("paged_attention: head_dim must be 1..256");
-  auto work = std::make_shared<Work>();
-  Problem& pb = work->pb;
-  pb = Problem{q.typed_data(), kv.typed_data(), kv_lens.typed_data(), page_indices.typed_data(),
-               cu_q_lens.typed_data(), out->typed_data(), qd[0], qd[1], kd[1], qd[2], kd[2], kd[3], pd[1], sm_scale};
+  const Problem pb{q.typed_data(), kv.typed_data(), kv_lens.typed_data(), page_indices.typed_data(),
+                  cu_q_lens.typed_data(), out->typed_data(), qd[0], qd[1], kd[1], qd[2], kd[2], kd[3], pd[1], sm_scale};
   std::memset(pb.out, 0, sizeof(float) * qd[0] * qd[1] * qd[2]);
   const int64_t seqs = std::clamp<int64_t>(num_seqs.typed_data()[0], 0, pd[0]);
-  work->num_items = seqs * pb.num_kv_heads;
+  const int64_t num_items = seqs * pb.num_kv_heads;
   int64_t row_keys = 0;
   for (int64_t s = 0; s < seqs; ++s)
     row_keys += std::max(0, pb.cu_q_lens[s + 1] - pb.cu_q_lens[s]) * int64_t{std::max(0, pb.kv_lens[s])};
   row_keys *= pb.num_q_heads;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  if (row_keys >= kSerialRowKeys)
-    for (int64_t t = 1; t < std::min(threads, work->num_items); ++t) pool.Schedule([work] { work->drain(); });
-  work->drain();
-  while (work->done.load(std::memory_order_acquire) < work->num_items) {
-    __builtin_ia32_pause();
-  }
+  // (sequence, KV head) items over the pool (pool_items.h); small problems stay on the calling thread
+  jax_rollout::run_items(pool, num_items, row_keys >= kSerialRowKeys ? threads : 1,
+                         [pb](int64_t i) { attend_item(pb, i); });
   return ffi::Error::Success();
 }
 

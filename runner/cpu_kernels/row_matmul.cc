@@ -10,11 +10,11 @@
 //   RowMatmul:   y[M, N] = x[M, K] @ w[K, N]       (Flax kernels, [in, out]; M <= 64)
 //   RowMatmulNT: y[M, N] = x[M, K] @ w[N, K]^T     (a tied embedding as the output projection; M <= 8)
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 
+#include "pool_items.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -201,37 +201,10 @@ void run_block(int rows, const float* x, const float* w, float* y, int64_t K, in
   }
 }
 
-// Chunks claimed through an atomic counter by the calling thread and the pool's: a task that starts
-// late finds nothing left, so the caller never waits on a task that has not started (two kernels
-// running on the pool at once cannot deadlock). RowMatmul splits the weight rows (K): each chunk
-// streams one contiguous part of w into its own partial sums (chunk 0 into y), added in chunk order
-// afterwards; at 4 and 8 rows this ran the model's matmuls in 24 / 31-34 ms where column chunks took
-// 32 / 43 (docs/engineering-notes.md). RowMatmulNT splits the output columns (w's rows).
-struct Work {
-  bool nt;
-  int rows;
-  const float* x;
-  const float* w;
-  float* y;
-  float* partial;  // RowMatmul: [num_chunks - 1, rows, N]
-  int64_t K, N, chunk, num_chunks;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-
-  void drain() {
-    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < num_chunks;) {
-      const int64_t lo = c * chunk;
-      if (nt) {
-        run_block<true>(rows, x, w, y, K, N, lo, std::min(N, lo + chunk), 0, K);
-      } else {
-        float* out = c == 0 ? y : partial + (c - 1) * rows * N;
-        run_block<false>(rows, x, w, out, K, N, 0, N, lo, std::min(K, lo + chunk));
-      }
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
+// Chunks go out over the pool (pool_items.h). RowMatmul splits the weight rows (K): each chunk streams
+// one contiguous part of w into its own partial sums (chunk 0 into y), added in chunk order afterwards;
+// at 4 and 8 rows this ran the model's matmuls in 24 / 31-34 ms where column chunks took 32 / 43
+// (docs/engineering-notes.md). RowMatmulNT splits the output columns (w's rows).
 ffi::Error run(bool nt, ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
@@ -241,38 +214,31 @@ ffi::Error run(bool nt, ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   if (rows < 1 || rows > (nt ? 8 : kMaxRows) || (nt ? wd[1] : wd[0]) != K)
     return ffi::Error::InvalidArgument("row_matmul: x must be [1..64, K] and w [K, N] (NT: [1..8, K] and [N, K])");
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  auto work = std::make_shared<Work>();
-  work->nt = nt;
-  work->rows = static_cast<int>(rows);
-  work->x = x.typed_data();
-  work->w = w.typed_data();
-  work->y = y->typed_data();
-  work->K = K;
-  work->N = N;
-  std::unique_ptr<float[]> partial;
+  const float* xp = x.typed_data();
+  const float* wp = w.typed_data();
+  float* out = y->typed_data();
+  const int r = static_cast<int>(rows);
   if (nt) {  // ~4 column chunks per thread
     const int64_t per_chunk = (N + 4 * threads - 1) / (4 * threads);
-    work->chunk = std::max<int64_t>(256, (per_chunk + kNtAlign - 1) / kNtAlign * kNtAlign);
-    work->num_chunks = (N + work->chunk - 1) / work->chunk;
-  } else {  // one contiguous part of the weight rows per thread
-    const int64_t per_chunk = (K + threads - 1) / threads;
-    work->chunk = (per_chunk + kRowBlock - 1) / kRowBlock * kRowBlock;
-    work->num_chunks = (K + work->chunk - 1) / work->chunk;
-    partial.reset(new float[(work->num_chunks - 1) * rows * N]);
+    const int64_t chunk = std::max<int64_t>(256, (per_chunk + kNtAlign - 1) / kNtAlign * kNtAlign);
+    jax_rollout::run_items(pool, (N + chunk - 1) / chunk, threads, [=](int64_t c) {
+      run_block<true>(r, xp, wp, out, K, N, c * chunk, std::min(N, (c + 1) * chunk), 0, K);
+    });
+    return ffi::Error::Success();
   }
-  work->partial = partial.get();
-  if (work->num_chunks > 1)
-    for (int64_t t = 1; t < std::min(threads, work->num_chunks); ++t) pool.Schedule([work] { work->drain(); });
-  work->drain();
-  while (work->done.load(std::memory_order_acquire) < work->num_chunks) {
-#if defined(__x86_64__)
-    __builtin_ia32_pause();
-#endif
-  }
-  float* out = y->typed_data();
-  for (int64_t c = 1; !nt && c < work->num_chunks; ++c) {  // RowMatmul's partial sums, in chunk order
-    const float* part = work->partial + (c - 1) * rows * N;
-    for (int64_t i = 0; i < rows * N; ++i) out[i] += part[i];
+  // one contiguous part of the weight rows per thread
+  const int64_t per_chunk = (K + threads - 1) / threads;
+  const int64_t chunk = (per_chunk + kRowBlock - 1) / kRowBlock * kRowBlock;
+  const int64_t num_chunks = (K + chunk - 1) / chunk;
+  std::unique_ptr<float[]> partial(new float[(num_chunks - 1) * rows * N]);  // [num_chunks - 1, rows, N]
+  float* part = partial.get();
+  jax_rollout::run_items(pool, num_chunks, threads, [=](int64_t c) {
+    run_block<false>(r, xp, wp, c == 0 ? out : part + (c - 1) * rows * N, K, N, 0, N, c * chunk,
+                     std::min(K, (c + 1) * chunk));
+  });
+  for (int64_t c = 1; c < num_chunks; ++c) {  // the partial sums, in chunk order
+    const float* pc = part + (c - 1) * rows * N;
+    for (int64_t i = 0; i < rows * N; ++i) out[i] += pc[i];
   }
   return ffi::Error::Success();
 }
