@@ -41,8 +41,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     # Multi-step decode (vLLM's name): up to this many decode steps per device call, the sampled
     # tokens fed back on the device; the host sees the batch (stops, new requests) once per call.
-    # None: DEFAULT_SCHEDULER_STEPS, or 1 with EAGLE-3 drafting (they do not combine). With n-gram
-    # drafting, decode steps that do not draft (auto-disable, no match) run as multi-step calls.
+    # None: DEFAULT_SCHEDULER_STEPS. With drafting, decode steps that do not draft (auto-disable, no
+    # n-gram match) run as multi-step calls; an EAGLE-3 head's cache is filled after each of their steps.
     num_scheduler_steps: int | None = None
 
     def __post_init__(self) -> None:
@@ -62,13 +62,9 @@ class EngineConfig:
         if self.attention_backend not in ("auto", *ATTENTION_IMPLS):
             raise ValueError(f"attention_backend must be 'auto' or one of {ATTENTION_IMPLS}, got {self.attention_backend!r}")
         if self.num_scheduler_steps is None:  # resolved here, so the engine reads one number
-            eagle = isinstance(self.speculative, Eagle3Config)
-            object.__setattr__(self, "num_scheduler_steps", 1 if eagle else DEFAULT_SCHEDULER_STEPS)
+            object.__setattr__(self, "num_scheduler_steps", DEFAULT_SCHEDULER_STEPS)
         if not isinstance(self.num_scheduler_steps, int) or not 1 <= self.num_scheduler_steps <= 64:
             raise ValueError(f"num_scheduler_steps must be an integer in [1, 64], got {self.num_scheduler_steps!r}")
-        if self.num_scheduler_steps > 1 and isinstance(self.speculative, Eagle3Config):
-            raise ValueError("num_scheduler_steps > 1 cannot be combined with EAGLE-3 drafting (the head's KV cache "
-                             "follows every target step); leave num_scheduler_steps unset or 1")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
 

@@ -83,9 +83,10 @@ class Speculator:
     def propose(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, list[np.ndarray] | None]:
         """The batch to run and its drafts per sequence (None: decode plainly).
 
-        A step judged not worth drafting keeps the scheduler's multi-step count; a verification step,
-        a plain step because nothing matched, or one that re-measures plain decoding while drafting
-        wins, runs one step so the next one can draft again.
+        A step judged not worth drafting keeps the scheduler's multi-step count, also when it re-measures
+        plain decoding while drafting wins (a one-step call would charge plain decoding the host's
+        per-call cost that its multi-step calls share out); a verification step, or a plain step because
+        nothing matched, runs one step so the next one can draft again.
         """
         self._compiles = num_compilations()
         if batch.is_prefill or not batch.seqs:
@@ -93,11 +94,10 @@ class Speculator:
         one_step = dataclasses.replace(batch, num_new_tokens=[1] * len(batch.seqs))
         if not self._worth_it(batch.seqs):
             self.stats.num_disabled_steps += 1
-            run = one_step if self._probing else batch
-            self._forget_stale(batch.seqs, max(run.num_new_tokens))
+            self._forget_stale(batch.seqs, max(batch.num_new_tokens))
             if not self._probing:
                 self._steps_since_probe += max(batch.num_new_tokens) - 1  # a multi-step call: its steps count
-            return run, None
+            return batch, None
         per_seq = min(self.config.k, self.max_num_batched_tokens // len(batch.seqs) - 1)
         if per_seq < 1:
             return batch, None

@@ -88,8 +88,8 @@ class ModelRunner:
         if not 0.0 <= draft_min_confidence <= 1.0:
             raise ValueError(f"draft_min_confidence must be in [0, 1], got {draft_min_confidence}")
         self.draft_min_confidence = draft_min_confidence
-        if num_scheduler_steps < 1 or (num_scheduler_steps > 1 and draft_head is not None):
-            raise ValueError(f"num_scheduler_steps must be >= 1 and 1 with a draft head, got {num_scheduler_steps}")
+        if num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps must be >= 1, got {num_scheduler_steps}")
         self.num_scheduler_steps = num_scheduler_steps
         if num_verify_steps < 1 or (num_verify_steps > 1 and draft_head is None):
             raise ValueError(f"num_verify_steps must be >= 1 and 1 without a draft head, got {num_verify_steps}")
@@ -183,12 +183,17 @@ class ModelRunner:
     def _run_chunk(self, batch: StepBatch, leaves: tuple[list[Array], list[Array]], device_batch: DeviceBatch,
                    rows: np.ndarray, num_top: int) -> StepResult:
         """A multi-step decode call: rows come back sequence-major, `steps` per sequence."""
-        if self.drafter is not None or not batch.is_decode:
-            raise ValueError("multi-step decode takes plain decode batches of an engine without a draft head")
+        if not batch.is_decode:
+            raise ValueError("multi-step decode takes plain decode batches")
         steps = self.num_scheduler_steps
         if int(np.max(batch.num_steps, initial=1)) > steps:
             raise ValueError(f"a sequence asks for {int(np.max(batch.num_steps))} steps; this runner runs at most {steps}")
-        self.kv_caches, out = self._chunk_fn(*leaves, self.kv_caches, device_batch, num_top=num_top, max_steps=steps)
+        if self.drafter is not None:  # the head's cache follows every step
+            self.kv_caches, out = self.drafter.decode_chunk(leaves, self.kv_caches, device_batch, num_top=num_top,
+                                                            max_steps=steps)
+        else:
+            self.kv_caches, out = self._chunk_fn(*leaves, self.kv_caches, device_batch, num_top=num_top,
+                                                 max_steps=steps)
         out = jax.device_get(out)
         k = batch.num_top_logprobs
         seq_major = lambda x: np.swapaxes(x[:, rows], 0, 1).reshape(len(rows) * steps, *x.shape[2:])  # noqa: E731

@@ -1,4 +1,5 @@
-"""The jitted device programs of an engine step: one step (`_step`) and multi-step decode (`_decode_chunk`).
+"""The jitted device programs of an engine step: one step (`_step`) and multi-step decode (`_decode_chunk`,
+`decode_loop`, which EAGLE-3 engines also run with the head's cache fill after every step).
 
 Both take the model as a graphdef plus flat parameter leaves (cheaper for jit's per-call argument
 handling than `nnx.State`s), the KV caches (donated: updated in place) and a padded `DeviceBatch`,
@@ -10,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +23,8 @@ from runner.attention import AttentionMetadata, paged_slots
 from runner.models.llama import KVCaches, LlamaForCausalLM
 from runner.sampler import SamplerOutput, sample
 from runner.step_inputs import SAMPLER_MODES, DeviceBatch
+
+S = TypeVar("S")  # what a decode loop carries besides its own state
 
 
 @jax.tree_util.register_dataclass
@@ -86,45 +90,63 @@ def forward_and_sample(model: LlamaForCausalLM, kv_caches: KVCaches, batch: Devi
     return kv_caches, out, extra, aux
 
 
-def _decode_chunk(graphdef: nnx.GraphDef, params_def: jax.tree_util.PyTreeDef, rest_def: jax.tree_util.PyTreeDef,
-                  kv_sharding: NamedSharding | None, param_leaves: list[Array], rest_leaves: list[Array],
-                  kv_caches: KVCaches, batch: DeviceBatch, *, num_top: int, max_steps: int
-                  ) -> tuple[KVCaches, SamplerOutput]:
+# Called after every step of `decode_loop`: (state, the step's batch, its aux hidden states, the KV slot of
+# each row's previous position) -> state. EAGLE-3 engines fill the head's cache with it.
+StepHook = Callable[[S, DeviceBatch, Float[Array, "R T A"], Int[Array, "R T"]], S]
+
+
+def decode_loop(model: LlamaForCausalLM, kv_caches: KVCaches, batch: DeviceBatch, state: S, *, num_top: int,
+                max_steps: int, kv_sharding: NamedSharding | None, aux_layers: tuple[int, ...] = (),
+                after_step: StepHook | None = None) -> tuple[KVCaches, SamplerOutput, S]:
     """Up to `max_steps` decode steps in one device loop (multi-step decode); outputs are `[max_steps, R * N]`.
 
     Step t feeds each row the token sampled at step t - 1 at position `positions + t`. A row stays
     active for its `num_steps` steps or until it samples one of its `stop_ids`; an inactive row's K/V
     writes are dropped and its outputs ignored, and the loop ends when no row is active. Sampling
     keys depend on (seed, sample, position) only, so the tokens are those of as many single steps.
+    `after_step` carries `state` through the loop (inactive rows' slots are out of range: dropped).
     """
-    model = _merge(graphdef, params_def, rest_def, param_leaves, rest_leaves)
     chunk, md, sampling = batch.chunk, batch.md, batch.sampling
     num_pages, page_size = kv_caches[0].shape[3], kv_caches[0].shape[4]
+    num_slots = num_pages * page_size
     last = jnp.maximum(chunk.num_steps - 1, 0)  # [R, N] a row's last step
 
-    def body(carry: tuple[Array, KVCaches, Array, Array, SamplerOutput]
-             ) -> tuple[Array, KVCaches, Array, Array, SamplerOutput]:
-        t, kv, token_ids, active, outs = carry
+    def body(carry: tuple[Array, KVCaches, Array, Array, SamplerOutput, S]
+             ) -> tuple[Array, KVCaches, Array, Array, SamplerOutput, S]:
+        t, kv, token_ids, active, outs, state = carry
         positions = batch.positions + jnp.minimum(t, last)
-        slots = paged_slots(md.page_indices, positions, page_size, num_pages * page_size, active)
+        slots = paged_slots(md.page_indices, positions, page_size, num_slots, active)
         suppress = jnp.where((t < chunk.suppress_steps)[..., None], sampling.suppress_ids, -1)
         step = dataclasses.replace(
             batch, token_ids=token_ids, positions=positions,
             md=dataclasses.replace(md, slot_mapping=slots, kv_lens=jnp.where(chunk.num_steps > 0, positions + 1, 0)),
             sampling=dataclasses.replace(sampling, positions=positions + 1, suppress_ids=suppress), chunk=None)
-        kv, out, _, _ = forward_and_sample(model, kv, step, num_top=num_top, token_logprobs=False,
-                                           kv_sharding=kv_sharding)
+        kv, out, _, aux = forward_and_sample(model, kv, step, num_top=num_top, token_logprobs=False,
+                                             aux_layers=aux_layers, kv_sharding=kv_sharding)
+        if after_step is not None:
+            state = after_step(state, step, aux, paged_slots(md.page_indices, positions - 1, page_size, num_slots, active))
         outs = jax.tree.map(lambda buf, x: buf.at[t].set(x), outs, out)
         sampled = out.token_ids.reshape(token_ids.shape).astype(token_ids.dtype)
         stopped = jnp.any(sampled[..., None] == chunk.stop_ids, axis=-1)
-        return t + 1, kv, sampled, active & ~stopped & (t + 1 < chunk.num_steps), outs
+        return t + 1, kv, sampled, active & ~stopped & (t + 1 < chunk.num_steps), outs, state
 
     num_rows = batch.token_ids.shape[0] * batch.token_ids.shape[1]
     outs = SamplerOutput(jnp.zeros((max_steps, num_rows), jnp.int32), jnp.zeros((max_steps, num_rows), jnp.float32),
                          jnp.zeros((max_steps, num_rows, num_top), jnp.int32),
                          jnp.zeros((max_steps, num_rows, num_top), jnp.float32))
-    carry = (jnp.int32(0), kv_caches, batch.token_ids, chunk.num_steps > 0, outs)
-    _, kv_caches, _, _, outs = jax.lax.while_loop(lambda c: jnp.any(c[3]), body, carry)
+    carry = (jnp.int32(0), kv_caches, batch.token_ids, chunk.num_steps > 0, outs, state)
+    _, kv_caches, _, _, outs, state = jax.lax.while_loop(lambda c: jnp.any(c[3]), body, carry)
+    return kv_caches, outs, state
+
+
+def _decode_chunk(graphdef: nnx.GraphDef, params_def: jax.tree_util.PyTreeDef, rest_def: jax.tree_util.PyTreeDef,
+                  kv_sharding: NamedSharding | None, param_leaves: list[Array], rest_leaves: list[Array],
+                  kv_caches: KVCaches, batch: DeviceBatch, *, num_top: int, max_steps: int
+                  ) -> tuple[KVCaches, SamplerOutput]:
+    """Multi-step decode (`decode_loop`) of the model given as leaves."""
+    model = _merge(graphdef, params_def, rest_def, param_leaves, rest_leaves)
+    kv_caches, outs, _ = decode_loop(model, kv_caches, batch, (), num_top=num_top, max_steps=max_steps,
+                                     kv_sharding=kv_sharding)
     return kv_caches, outs
 
 

@@ -195,8 +195,9 @@ def _hf_config_json(cfg: ModelConfig) -> str:
 @pytest.mark.parametrize(("mesh", "min_confidence"), [((2, 2), 0.0), ((1, 4), 0.0), ((2, 2), 0.5)], ids=str)
 def test_eagle3_drafting_on_a_mesh_equals_single_device(setup: tuple, mesh: tuple[int, int], min_confidence: float,
                                                         tmp_path) -> None:
-    """The EAGLE-3 head's cache and draft program over data-parallel replicas and a model axis; with
-    `min_confidence` (a random head is unsure: its steps decode plainly in the verification program)."""
+    """The EAGLE-3 head's cache and draft program over data-parallel replicas and a model axis, every other
+    decode call a plain multi-step one; with `min_confidence` (a random head is unsure: its steps decode
+    plainly in the verification program)."""
     from rollout import Eagle3Config
     from runner.spec_decode.eagle3_checkpoint import init_eagle3_head, save_eagle3_head
 
@@ -205,10 +206,13 @@ def test_eagle3_drafting_on_a_mesh_equals_single_device(setup: tuple, mesh: tupl
     engine = Engine.from_model(model, IdTokenizer(), mesh=mesh, **KW,
                                speculative=Eagle3Config(str(tmp_path), k=3, auto_disable=False,
                                                         min_confidence=min_confidence))
+    decisions = iter(range(10**6))
+    engine.speculator._worth_it = lambda seqs: next(decisions) % 2 == 0  # plain multi-step calls fill the cache too
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=12, logprobs=0))
     assert_same_as_single_device(outs, ref)
     s = engine.stats().speculative
     assert s.num_unsure_steps > 0 if min_confidence else s.drafted_tokens > 0 and s.num_unsure_steps == 0
+    assert s.num_disabled_steps > 0
     cache, main = engine.runner.drafter.cache, engine.runner.kv_caches[0]
     assert cache.kv.sharding.is_equivalent_to(main.sharding, cache.kv.ndim)  # the steps kept both layouts
     want = jax.sharding.NamedSharding(engine.runner.mesh, jax.sharding.PartitionSpec("data" if mesh[0] > 1 else None))

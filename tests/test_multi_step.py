@@ -101,8 +101,6 @@ def test_multi_step_warmup_compiles_everything(multi: Engine) -> None:
 def test_multi_step_config_is_validated(model) -> None:
     assert EngineConfig().num_scheduler_steps == DEFAULT_SCHEDULER_STEPS > 1  # on by default
     assert EngineConfig(speculative=NgramConfig(k=2)).num_scheduler_steps == DEFAULT_SCHEDULER_STEPS
-    assert EngineConfig(speculative=Eagle3Config("head", k=2)).num_scheduler_steps == 1
+    assert EngineConfig(speculative=Eagle3Config("head", k=2)).num_scheduler_steps == DEFAULT_SCHEDULER_STEPS
     with pytest.raises(ValueError, match="num_scheduler_steps"):
         Engine.from_model(model, ByteTokenizer(), **ENGINE_KW, num_scheduler_steps=0)
-    with pytest.raises(ValueError, match="EAGLE-3"):
-        EngineConfig(num_scheduler_steps=2, speculative=Eagle3Config("head", k=2))
