@@ -78,30 +78,36 @@ class Speculator:
         self._last_choice: bool | None = None
         self._compiles: int | None = None  # compilations before the timed step (a step that compiles is not timed)
         self._probing = False  # the last decision took the losing path to re-measure it
+        self._untimed = False  # the last decision ran a lone plain step (`propose`): not timed
         self._population_tokens_per_step: float | None = None  # mean over recent (sequence, verification) pairs
 
     def propose(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, list[np.ndarray] | None]:
         """The batch to run and its drafts per sequence (None: decode plainly).
 
         A step judged not worth drafting keeps the scheduler's multi-step count, also when it re-measures
-        plain decoding while drafting wins (a one-step call would charge plain decoding the host's
-        per-call cost that its multi-step calls share out); a verification step, or a plain step because
-        nothing matched, runs one step so the next one can draft again.
+        plain decoding (a one-step call would charge plain decoding the host's per-call cost that its
+        multi-step calls share out), unless drafting still wins for the population and only these
+        sequences dipped: that plain step runs alone (and is not timed), so the next one can draft again.
+        A plain step because nothing matched runs one step too; verification runs EAGLE-3's
+        `num_verify_steps` per call, except one that re-measures drafting while plain decoding wins.
         """
         self._compiles = num_compilations()
+        self._untimed = False
         if batch.is_prefill or not batch.seqs:
             return batch, None
         one_step = dataclasses.replace(batch, num_new_tokens=[1] * len(batch.seqs))
         if not self._worth_it(batch.seqs):
             self.stats.num_disabled_steps += 1
-            self._forget_stale(batch.seqs, max(batch.num_new_tokens))
+            run = batch if self._probing or not self._drafting_wins_overall(len(batch.seqs)) else one_step
+            self._untimed = run is one_step
+            self._forget_stale(batch.seqs, max(run.num_new_tokens))
             if not self._probing:
-                self._steps_since_probe += max(batch.num_new_tokens) - 1  # a multi-step call: its steps count
-            return batch, None
+                self._steps_since_probe += max(run.num_new_tokens) - 1  # a multi-step call: its steps count
+            return run, None
         per_seq = min(self.config.k, self.max_num_batched_tokens // len(batch.seqs) - 1)
         if per_seq < 1:
             return batch, None
-        steps = self._verify_steps(batch.seqs, per_seq)
+        steps = None if self._probing else self._verify_steps(batch.seqs, per_seq)  # a probe verifies once
         if steps is not None:  # multi-step verification: full drafts every step
             return dataclasses.replace(batch, num_new_tokens=steps), self.draft_fn(batch.seqs, [per_seq] * len(steps))
         limits = [min(per_seq, s.params.max_tokens - s.num_output_tokens - 1, self.max_model_len - s.num_tokens - 1)
@@ -155,6 +161,12 @@ class Speculator:
             if seq.tokens_per_draft_step is not None:
                 seq.tokens_per_draft_step = pop + keep * (seq.tokens_per_draft_step - pop)
 
+    def _drafting_wins_overall(self, num_seqs: int) -> bool:
+        """Would drafting pay at this batch size with the population's mean tokens per verification step?"""
+        plain, spec = self._seconds.get((False, num_seqs)), self._seconds.get((True, num_seqs))
+        pop = self._population_tokens_per_step
+        return plain is not None and spec is not None and pop is not None and pop / spec >= 1.0 / plain
+
     def _worth_it(self, seqs: list[Sequence]) -> bool:
         """Draft this step? Compares tokens per second of both paths for this batch size; every
         `_probe_every` decode steps it takes the losing path once to re-measure it (the interval doubles
@@ -186,6 +198,8 @@ class Speculator:
         """Time one decode call; a plain multi-step call of `num_steps` steps counts per step. Draft steps
         are judged together (`verified` False: the EAGLE-3 head was unsure) and reported apart."""
         if self._compiles is not None and num_compilations() != self._compiles:  # compile time, not step time
+            return
+        if self._untimed:  # a lone plain step between drafting ones: its host overhead is not plain decoding's
             return
         seconds /= num_steps
         _ema_into(self._seconds, (drafted, num_seqs), seconds)

@@ -374,6 +374,31 @@ def test_estimates_start_optimistic_and_forget_stale_values() -> None:
         bad.record_acceptance(seq, 3, 0, 1, None)
     assert [bad.propose(ScheduledBatch(False, [seq], [1]))[1] for _ in range(8)] == [None] * 8
 
+def test_plain_step_is_lone_only_when_these_sequences_dip() -> None:
+    """A disabled step while drafting still pays for the population (these sequences dipped) decodes one
+    untimed plain step, so the next can draft again; when plain decoding wins for the population too, a
+    disabled step keeps the scheduler's multi-step count and its time counts."""
+    s = Speculator(NgramConfig(k=3, auto_disable=True), max_model_len=128, max_num_batched_tokens=64)
+    s.draft_fn = lambda seqs, limits: [np.array([1], np.int32)] * len(seqs)
+    s.record_step(1, True, 0.016)  # verification 16 ms, plain 10 ms: drafting pays above 1.6 tokens per step
+    s.record_step(1, False, 0.010)
+    [good], [dip] = fake_seqs(1), fake_seqs(1)
+    for _ in range(40):
+        s.record_acceptance(good, 3, 2, 3, None)
+    for _ in range(10):  # this sequence's estimate falls to ~1.2; the population's mean stays ~2.2
+        s.record_acceptance(dip, 3, 0, 1, None)
+    run, drafts = s.propose(ScheduledBatch(False, [dip], [8]))
+    assert drafts is None and run.num_new_tokens == [1]
+    s.record_step(1, False, 5.0)  # the lone step's time (host overhead and all) is not plain decoding's
+    assert s._seconds[(False, 1)] == pytest.approx(0.010)
+    for _ in range(60):  # now every sequence's drafts fail: plain decoding wins for the population
+        s.record_acceptance(good, 3, 0, 1, None)
+    run, drafts = s.propose(ScheduledBatch(False, [dip], [8]))
+    assert drafts is None and run.num_new_tokens == [8]
+    s.record_step(1, False, 0.080, num_steps=8)
+    assert s._seconds[(False, 1)] == pytest.approx(0.010)  # (the same 10 ms per step, now measured)
+
+
 # ---- rejection-sampling verification -------------------------------------------------------------
 
 REJECTION = dataclasses.replace(SPEC, verification="rejection")
