@@ -33,6 +33,10 @@ POPULATION_EMA = 0.05  # weight of one (sequence, verification step) in the popu
 STALE_DECAY = 1 / 8  # per skipped step, how far a sequence's estimate moves back towards the population's
 EXPLORE_EVERY = 16  # decode steps between re-measurements of the losing path (doubling while it keeps losing)
 MAX_EXPLORE_EVERY = 128
+# Steps of a call that re-measures plain decoding while drafting wins: more would cost more drafting
+# (8 measured ~11% at B=1 with n-gram drafts on R3), one would charge plain decoding a whole call's
+# host work (one-step plain calls measured 34.6-45.7 ms per step at B=8 against ~31.5 in 8-step ones).
+PROBE_STEPS = 2
 
 
 @dataclasses.dataclass
@@ -84,9 +88,10 @@ class Speculator:
     def propose(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, list[np.ndarray] | None]:
         """The batch to run and its drafts per sequence (None: decode plainly).
 
-        A step judged not worth drafting keeps the scheduler's multi-step count, also when it re-measures
-        plain decoding (a one-step call would charge plain decoding the host's per-call cost that its
-        multi-step calls share out), unless drafting still wins for the population and only these
+        A step judged not worth drafting keeps the scheduler's multi-step count (a one-step call would
+        charge plain decoding the host's per-call cost that its multi-step calls share out), except a
+        re-measurement of plain decoding while drafting wins (`PROBE_STEPS` steps; the first measurement
+        takes the whole count) and a step where drafting still wins for the population and only these
         sequences dipped: that plain step runs alone (and is not timed), so the next one can draft again.
         A plain step because nothing matched runs one step too; verification runs EAGLE-3's
         `num_verify_steps` per call, except one that re-measures drafting while plain decoding wins.
@@ -98,7 +103,12 @@ class Speculator:
         one_step = dataclasses.replace(batch, num_new_tokens=[1] * len(batch.seqs))
         if not self._worth_it(batch.seqs):
             self.stats.num_disabled_steps += 1
-            run = batch if self._probing or not self._drafting_wins_overall(len(batch.seqs)) else one_step
+            if self._probing and (False, len(batch.seqs)) in self._seconds:  # re-measure plain: a short call
+                run = dataclasses.replace(batch, num_new_tokens=[min(n, PROBE_STEPS) for n in batch.num_new_tokens])
+            elif self._probing or not self._drafting_wins_overall(len(batch.seqs)):
+                run = batch
+            else:
+                run = one_step
             self._untimed = run is one_step
             self._forget_stale(batch.seqs, max(run.num_new_tokens))
             if not self._probing:

@@ -21,7 +21,7 @@ from flax import nnx
 
 from rollout import Engine, NgramConfig, SamplingParams
 from rollout.scheduler import ScheduledBatch
-from rollout.speculator import EMA, Speculator
+from rollout.speculator import EMA, PROBE_STEPS, Speculator
 from runner.compile_counter import num_compilations
 from runner.spec_decode.ngram import propose_batch, propose_ngram
 from test_engine import ENGINE_KW, MAX_LEN, ByteTokenizer, make_model, rand_prompt
@@ -376,8 +376,9 @@ def test_estimates_start_optimistic_and_forget_stale_values() -> None:
 
 def test_plain_step_is_lone_only_when_these_sequences_dip() -> None:
     """A disabled step while drafting still pays for the population (these sequences dipped) decodes one
-    untimed plain step, so the next can draft again; when plain decoding wins for the population too, a
-    disabled step keeps the scheduler's multi-step count and its time counts."""
+    untimed plain step, so the next can draft again, and a re-measurement of plain decoding runs
+    `PROBE_STEPS`; when plain decoding wins for the population too, a disabled step keeps the
+    scheduler's multi-step count and its time counts."""
     s = Speculator(NgramConfig(k=3, auto_disable=True), max_model_len=128, max_num_batched_tokens=64)
     s.draft_fn = lambda seqs, limits: [np.array([1], np.int32)] * len(seqs)
     s.record_step(1, True, 0.016)  # verification 16 ms, plain 10 ms: drafting pays above 1.6 tokens per step
@@ -391,6 +392,10 @@ def test_plain_step_is_lone_only_when_these_sequences_dip() -> None:
     assert drafts is None and run.num_new_tokens == [1]
     s.record_step(1, False, 5.0)  # the lone step's time (host overhead and all) is not plain decoding's
     assert s._seconds[(False, 1)] == pytest.approx(0.010)
+    s._steps_since_probe = s._probe_every - 1  # the next decision re-measures plain decoding: a short call
+    run, drafts = s.propose(ScheduledBatch(False, [good], [8]))
+    assert drafts is None and run.num_new_tokens == [PROBE_STEPS]
+    s.record_step(1, False, 0.010 * PROBE_STEPS, num_steps=PROBE_STEPS)
     for _ in range(60):  # now every sequence's drafts fail: plain decoding wins for the population
         s.record_acceptance(good, 3, 0, 1, None)
     run, drafts = s.propose(ScheduledBatch(False, [dip], [8]))
