@@ -24,7 +24,7 @@ from runner.models.llama import KVCaches, LlamaForCausalLM
 from runner.sampler import SamplerOutput, sample
 from runner.step_inputs import SAMPLER_MODES, DeviceBatch
 
-S = TypeVar("S")  # what a decode loop carries besides its own state
+LoopState = TypeVar("LoopState")  # what `decode_loop` carries for its `after_step` hook
 
 
 @jax.tree_util.register_dataclass
@@ -92,12 +92,12 @@ def forward_and_sample(model: LlamaForCausalLM, kv_caches: KVCaches, batch: Devi
 
 # Called after every step of `decode_loop`: (state, the step's batch, its aux hidden states, the KV slot of
 # each row's previous position) -> state. EAGLE-3 engines fill the head's cache with it.
-StepHook = Callable[[S, DeviceBatch, Float[Array, "R T A"], Int[Array, "R T"]], S]
+StepHook = Callable[[LoopState, DeviceBatch, Float[Array, "R T A"], Int[Array, "R T"]], LoopState]
 
 
-def decode_loop(model: LlamaForCausalLM, kv_caches: KVCaches, batch: DeviceBatch, state: S, *, num_top: int,
+def decode_loop(model: LlamaForCausalLM, kv_caches: KVCaches, batch: DeviceBatch, state: LoopState, *, num_top: int,
                 max_steps: int, kv_sharding: NamedSharding | None, aux_layers: tuple[int, ...] = (),
-                after_step: StepHook | None = None) -> tuple[KVCaches, SamplerOutput, S]:
+                after_step: StepHook | None = None) -> tuple[KVCaches, SamplerOutput, LoopState]:
     """Up to `max_steps` decode steps in one device loop (multi-step decode); outputs are `[max_steps, R * N]`.
 
     Step t feeds each row the token sampled at step t - 1 at position `positions + t`. A row stays
@@ -111,8 +111,8 @@ def decode_loop(model: LlamaForCausalLM, kv_caches: KVCaches, batch: DeviceBatch
     num_slots = num_pages * page_size
     last = jnp.maximum(chunk.num_steps - 1, 0)  # [R, N] a row's last step
 
-    def body(carry: tuple[Array, KVCaches, Array, Array, SamplerOutput, S]
-             ) -> tuple[Array, KVCaches, Array, Array, SamplerOutput, S]:
+    def body(carry: tuple[Array, KVCaches, Array, Array, SamplerOutput, LoopState]
+             ) -> tuple[Array, KVCaches, Array, Array, SamplerOutput, LoopState]:
         t, kv, token_ids, active, outs, state = carry
         positions = batch.positions + jnp.minimum(t, last)
         slots = paged_slots(md.page_indices, positions, page_size, num_slots, active)
@@ -124,7 +124,8 @@ def decode_loop(model: LlamaForCausalLM, kv_caches: KVCaches, batch: DeviceBatch
         kv, out, _, aux = forward_and_sample(model, kv, step, num_top=num_top, token_logprobs=False,
                                              aux_layers=aux_layers, kv_sharding=kv_sharding)
         if after_step is not None:
-            state = after_step(state, step, aux, paged_slots(md.page_indices, positions - 1, page_size, num_slots, active))
+            prev_slots = paged_slots(md.page_indices, positions - 1, page_size, num_slots, active)
+            state = after_step(state, step, aux, prev_slots)
         outs = jax.tree.map(lambda buf, x: buf.at[t].set(x), outs, out)
         sampled = out.token_ids.reshape(token_ids.shape).astype(token_ids.dtype)
         stopped = jnp.any(sampled[..., None] == chunk.stop_ids, axis=-1)
