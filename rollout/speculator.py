@@ -171,11 +171,18 @@ class Speculator:
             if seq.tokens_per_draft_step is not None:
                 seq.tokens_per_draft_step = pop + keep * (seq.tokens_per_draft_step - pop)
 
+    def _drafting_pays(self, tokens_per_step: float, num_seqs: int) -> bool | None:
+        """Drafting's tokens per second at `tokens_per_step` against plain decoding's, at this batch size
+        (None: a path not measured yet)."""
+        plain, spec = self._seconds.get((False, num_seqs)), self._seconds.get((True, num_seqs))
+        if plain is None or spec is None:
+            return None
+        return tokens_per_step / spec >= 1.0 / plain
+
     def _drafting_wins_overall(self, num_seqs: int) -> bool:
         """Would drafting pay at this batch size with the population's mean tokens per verification step?"""
-        plain, spec = self._seconds.get((False, num_seqs)), self._seconds.get((True, num_seqs))
         pop = self._population_tokens_per_step
-        return plain is not None and spec is not None and pop is not None and pop / spec >= 1.0 / plain
+        return pop is not None and self._drafting_pays(pop, num_seqs) is True
 
     def _worth_it(self, seqs: list[Sequence]) -> bool:
         """Draft this step? Compares tokens per second of both paths for this batch size; every
@@ -194,7 +201,7 @@ class Speculator:
             self._steps_since_probe = 0
         if plain is None:  # measure plain decoding once in a while, then judge
             return not explore
-        choice = self.expected_tokens_per_step(seqs) / spec >= 1.0 / plain
+        choice = bool(self._drafting_pays(self.expected_tokens_per_step(seqs), len(seqs)))
         if explore:
             self._probe_every = min(2 * self._probe_every, MAX_EXPLORE_EVERY)
             return not choice

@@ -67,11 +67,8 @@ def _fill(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: TreeDefs, shardi
           aux: Float[Array, "R T A"], batch: DeviceBatch) -> DraftCache:
     head = _merge(head_gd, defs[0], defs[1], head_params, head_rest)
     target = _merge(target_gd, defs[2], defs[3], params, rest)
-    fn = functools.partial(fill_cache, head, target)
-    kv, hidden = _per_replica(fn, cache.kv.shape[0], shardings is not None, cache.kv, cache.hidden, aux,
-                              batch.token_ids, batch.positions,
-                              batch.md.slot_mapping, batch.prev_slot_mapping)
-    return _pinned(DraftCache(kv, hidden), shardings)
+    return _fill_after(head, target, cache.kv, cache.hidden, aux, batch, batch.md.slot_mapping,
+                       batch.prev_slot_mapping, shardings)
 
 
 def place_drafts(batch: DeviceBatch, drafts: Int[Array, "R S K"]) -> DeviceBatch:
@@ -141,7 +138,8 @@ def _draft(head: Eagle3Head, target: nnx.Module, cache: DraftCache, batch: Devic
 def _fill_after(head: Eagle3Head, target: nnx.Module, head_kv: Array, hidden: Array, aux: Float[Array, "R T A"],
                 placed: DeviceBatch, slots: Int[Array, "R T"], prev_slots: Int[Array, "R T"],
                 shardings: CacheShardings | None) -> DraftCache:
-    """The head's cache after a verification step: what the target computed at `placed`'s tokens."""
+    """The head's cache after a target step (`fill_cache` per replica): what the target computed at
+    `placed`'s tokens, written at `slots`, with the head's K/V at `prev_slots`."""
     fn = functools.partial(fill_cache, head, target)
     head_kv, hidden = _per_replica(fn, head_kv.shape[0], shardings is not None, head_kv, hidden, aux, placed.token_ids,
                                    placed.positions, slots, prev_slots)
