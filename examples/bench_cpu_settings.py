@@ -5,6 +5,9 @@ must be set before the process starts), back to back on the same machine:
 
 - `default`: nothing set;
 - `row_kernel_off`: `JAX_ROLLOUT_ROW_KERNEL=0` (XLA's dot for steps of <= 8 rows too);
+- `amx_off`: `JAX_ROLLOUT_AMX=0` (no AMX tiles: the row kernel, or XLA's dot past its 64 rows);
+- `amx_from_9`: `JAX_ROLLOUT_AMX_FROM_ROWS=9` (layer matmuls of 9-24 rows on AMX tiles, as before the
+  twenty-fourth session, rather than the row kernel; differs from `default` only at B = 9..24);
 - `attention_jax`: `JAX_ROLLOUT_CPU_ATTENTION=0` (the pure-JAX paged attention instead of the C++ kernel);
 - `tcmalloc`: `LD_PRELOAD` of gperftools' tcmalloc (Debian `libtcmalloc-minimal4`; skipped when absent);
 - `pinned`: the process bound to cores 0..N-1 with `taskset` (on a 2-core machine this only stops
@@ -14,7 +17,8 @@ must be set before the process starts), back to back on the same machine:
 
 Workload: R1 prompts 0..B-1, `--tokens` new tokens each (greedy, EOS masked until then), one
 untimed warm-up call of the same shape, then one timed call; tokens/s of the whole generate call.
-Ends with one JSON line. Run: `python examples/bench_cpu_settings.py [--batch 64 --tokens 32]`.
+`--repeats R` runs the settings in turn R times and reports medians. Ends with one JSON line.
+Run: `python examples/bench_cpu_settings.py [--batch 64 --tokens 32 --repeats 1 --settings default,...]`.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import glob
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -59,6 +64,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--settings", default=None, help="comma-separated subset of the settings (default: all)")
+    ap.add_argument("--repeats", type=int, default=1, help="rounds over the settings (alternated); medians reported")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -74,6 +80,7 @@ def main() -> None:
         ("default", {}, [], "float32"),
         ("row_kernel_off", {"JAX_ROLLOUT_ROW_KERNEL": "0"}, [], "float32"),  # XLA's dot for <= 8 rows too
         ("amx_off", {"JAX_ROLLOUT_AMX": "0"}, [], "float32"),  # the AVX-512 row kernel / XLA's dot for >= 9 rows
+        ("amx_from_9", {"JAX_ROLLOUT_AMX_FROM_ROWS": "9"}, [], "float32"),  # layers' 9-24 rows on AMX, not the row kernel
         ("attention_jax", {"JAX_ROLLOUT_CPU_ATTENTION": "0"}, [], "float32"),  # runner.attention's while loops
         ("tcmalloc", {"LD_PRELOAD": tcmalloc} if tcmalloc else {}, [], "float32"),
         ("pinned", {}, ["taskset", "-c", f"0-{cores - 1}"] if shutil.which("taskset") else [], "float32"),
@@ -86,26 +93,31 @@ def main() -> None:
         if unknown or "default" not in wanted:
             ap.error(f"--settings: unknown {sorted(unknown)} or 'default' missing (ratios are to it)")
         settings = [s for s in settings if s[0] in wanted]
-    results: dict[str, float | None] = {}
-    print(f"R1-style greedy, B={args.batch}, {args.tokens} new tokens; {cores} cores; one subprocess per setting")
-    for name, env, prefix, dtype in settings:
-        if (name == "tcmalloc" and not tcmalloc) or (name == "pinned" and not prefix):
-            print(f"  {name:<22} skipped (not available on this machine)")
-            results[name] = None
-            continue
-        proc = subprocess.run(prefix + cmd + ["--child", dtype], env={**base_env, **env}, capture_output=True,
-                              text=True, cwd=ROOT)
-        line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-        if line is None:
-            print(f"  {name:<22} FAILED (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}")
-            results[name] = None
-            continue
-        r = json.loads(line[len("RESULT "):])
-        results[name] = r["tok_s"]
-        ratio = r["tok_s"] / results["default"] if results.get("default") else float("nan")
-        print(f"  {name:<22} {r['tok_s']:8.1f} tok/s  ({r['seconds']:.2f}s)  {ratio:.2f}x default", flush=True)
+    runs: dict[str, list[float]] = {name: [] for name, *_ in settings}
+    print(f"R1-style greedy, B={args.batch}, {args.tokens} new tokens; {cores} cores; one subprocess per setting"
+          f" and round ({args.repeats} rounds)")
+    for round_ in range(args.repeats):
+        for name, env, prefix, dtype in settings:
+            if (name == "tcmalloc" and not tcmalloc) or (name == "pinned" and not prefix):
+                print(f"  {name:<22} skipped (not available on this machine)")
+                continue
+            proc = subprocess.run(prefix + cmd + ["--child", dtype], env={**base_env, **env}, capture_output=True,
+                                  text=True, cwd=ROOT)
+            line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if line is None:
+                print(f"  {name:<22} FAILED (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}")
+                continue
+            r = json.loads(line[len("RESULT "):])
+            runs[name].append(r["tok_s"])
+            print(f"  round {round_}  {name:<22} {r['tok_s']:8.1f} tok/s  ({r['seconds']:.2f}s)", flush=True)
+    results = {name: (float(statistics.median(v)) if v else None) for name, v in runs.items()}
+    print("median over rounds:")
+    for name, tok_s in results.items():
+        if tok_s is not None and results["default"]:
+            print(f"  {name:<22} {tok_s:8.1f} tok/s  {tok_s / results['default']:.2f}x default")
     default = results.get("default")
-    print(json.dumps(dict(benchmark="cpu_settings", batch=args.batch, tokens=args.tokens, tok_s=results,
+    print(json.dumps(dict(benchmark="cpu_settings", batch=args.batch, tokens=args.tokens, repeats=args.repeats,
+                          tok_s=results, runs=runs,
                           ratio_to_default={k: (v / default if v and default else None) for k, v in results.items()})))
 
 

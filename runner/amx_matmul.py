@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +30,18 @@ from jaxtyping import Array, Float, UInt16
 from runner.kernel_build import KernelStatus, cpu_flags, load_kernel
 
 MIN_ROWS = 9  # fewer rows are bandwidth-bound: the float32 row kernel reads 4 bytes per weight, AMX 6
+
+
+def _from_rows() -> int:
+    value = os.environ.get("JAX_ROLLOUT_AMX_FROM_ROWS", "25")
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"JAX_ROLLOUT_AMX_FROM_ROWS={value!r}: expected a row count >= 1 (default 25)")
+    return int(value)
+
+
+# Where the row kernel takes them, layer matmuls of fewer rows stay on it: its 9-24-row paths beat AMX
+# on the layer-shaped chain (e.g. 16 rows 26.7 vs 30.4 ms, 24 rows 32.2 vs 34.1; 32 rows 39.1 vs 37.0).
+FROM_ROWS = _from_rows()
 _TARGET = "jax_rollout_amx_matmul"
 
 
@@ -47,6 +60,12 @@ def load() -> KernelStatus:
     if code != 0:
         return KernelStatus(False, "Linux refused AMX tile data (arch_prctl ARCH_REQ_XCOMP_PERM)")
     return status
+
+
+def takes(rows: int, row_kernel_max_rows: int) -> bool:
+    """Whether a matmul of `rows` rows with a packed kernel runs on AMX rather than on the row kernel
+    (which takes up to `row_kernel_max_rows` rows; 0: off) or XLA's dot."""
+    return rows >= MIN_ROWS and (rows > row_kernel_max_rows or rows >= FROM_ROWS)
 
 
 def shape_fits(w: Array) -> bool:

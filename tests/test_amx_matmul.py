@@ -11,6 +11,7 @@ from flax import nnx
 
 from rollout.engine import Engine
 from rollout.sampling_params import SamplingParams
+from runner import amx_matmul as amx
 from runner.amx_matmul import MIN_ROWS, amx_matmul, load, pack_kernel, shape_fits, split3, unpack_kernel
 from runner.models.config import ModelConfig
 from runner.models.llama import Linear, LlamaForCausalLM, with_amx
@@ -100,12 +101,25 @@ def test_model_with_amx_computes_the_same_logits() -> None:
                                    rtol=1e-5, atol=1e-5)
 
 
+def test_which_rows_go_to_amx(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below MIN_ROWS never; where the row kernel takes the rows, only from FROM_ROWS (its 9-24-row paths
+    are faster); without it (0) or past its limit (the tied head's 8), from MIN_ROWS."""
+    assert not amx.takes(MIN_ROWS - 1, 0) and amx.takes(MIN_ROWS, 0)
+    assert amx.takes(MIN_ROWS, 8) and not amx.takes(MIN_ROWS, 64)
+    assert not amx.takes(amx.FROM_ROWS - 1, 64) and amx.takes(amx.FROM_ROWS, 64)
+    monkeypatch.setenv("JAX_ROLLOUT_AMX_FROM_ROWS", "sixteen")
+    with pytest.raises(ValueError, match="JAX_ROLLOUT_AMX_FROM_ROWS='sixteen': expected a row count"):
+        amx._from_rows()
+    monkeypatch.setenv("JAX_ROLLOUT_AMX_FROM_ROWS", "9")
+    assert amx._from_rows() == 9
+
+
 @needs_amx
 def test_engine_repacks_after_sync_weights() -> None:
-    """Steps of >= MIN_ROWS rows read the packed kernels: after `sync_weights` they must be the new
+    """Steps AMX takes read the packed kernels: after `sync_weights` they must be the new
     policy's, i.e. the engine's outputs equal those of an engine built from the new weights."""
-    kw = dict(max_num_seqs=16, max_model_len=64, max_num_batched_tokens=64, block_size=16)
-    prompts = [f"p{i}" for i in range(16)]  # 16 sequences: decode steps of 16 rows (AMX)
+    kw = dict(max_num_seqs=32, max_model_len=64, max_num_batched_tokens=128, block_size=16)
+    prompts = [f"p{i}" for i in range(32)]  # decode steps of 32 rows: the layers on AMX (the head from 9)
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
     old, new = LlamaForCausalLM(CFG, rngs=nnx.Rngs(0)), LlamaForCausalLM(CFG, rngs=nnx.Rngs(1))
     engine = Engine.from_model(old, ByteTokenizer(), **kw)

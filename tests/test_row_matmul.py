@@ -33,8 +33,9 @@ def test_values_match_float64_reference(k: int, n: int, transposed: bool) -> Non
     w = rng.standard_normal((n, k) if transposed else (k, n), dtype=np.float32)
     want = x.astype(np.float64) @ (w.T if transposed else w).astype(np.float64)
     fn = jax.jit(row_matmul_nt if transposed else row_matmul)
-    # every register-block size (1..8 rows together; past 8, groups of 6 and a remainder)
-    for rows in sorted({*range(1, min(max_rows, 8) + 1), *[r for r in (9, 12, 13, 17, 31, 64) if r <= max_rows]}):
+    # every register-block size (1..8 rows together; past 8, groups of 6 and a remainder, in place up to
+    # 20 rows, on copied panels past that)
+    for rows in sorted({*range(1, min(max_rows, 8) + 1), *[r for r in (9, 12, 13, 16, 17, 20, 21, 31, 64) if r <= max_rows]}):
         got = np.asarray(fn(jnp.asarray(x[:rows]), jnp.asarray(w)))
         scale = np.abs(x[:rows]).astype(np.float64) @ np.abs(w.T if transposed else w)
         assert got.shape == (rows, n)
@@ -51,7 +52,7 @@ def test_each_row_is_independent_of_the_others(transposed: bool) -> None:
     w = jnp.asarray(rng.standard_normal((n, k) if transposed else (k, n), dtype=np.float32))
     fn = jax.jit(row_matmul_nt if transposed else row_matmul)
     full = np.asarray(fn(x, w))
-    for rows in (1, 2, 4, 5) if transposed else (1, 2, 5, 8, 9, 13):
+    for rows in (1, 2, 4, 5) if transposed else (1, 2, 5, 8, 9, 13, 20, 21):
         for r in range(rows):
             np.testing.assert_array_equal(np.asarray(fn(x[r:r + rows], w))[0], full[r])
 

@@ -3,7 +3,7 @@
 // XLA:CPU runs a 1-row dot as a single-threaded GEMV and 2..8 rows as a YNNPACK GEMM that reads the
 // weights at about half the memory bandwidth, so a B=1 verification step (k + 1 rows) cost ~1.7x a
 // decode step. These kernels stream the weights once for all rows on all the pool's threads; past 8
-// rows (RowMatmul, up to 64) groups of rows take turns on each cached panel of the weights.
+// rows (RowMatmul, up to 64) groups of rows take turns on each block (9-16 rows) or copied panel of it.
 // Each output is summed in the same order whatever the row count, so row r of an M-row product is
 // bitwise the 1-row product of row r (a verification step rounds exactly as plain decoding).
 //
@@ -23,7 +23,9 @@ namespace {
 
 constexpr int kMaxRows = 64;        // RowMatmul; RowMatmulNT takes up to 8
 constexpr int kGroupRows = 6;       // rows per register block past 8 rows: 6 x 4 accumulators + 4 weights
-constexpr int64_t kGroupRowBlock = 512;  // weight rows per block past 8 rows
+constexpr int kInPlaceMaxRows = 20;  // up to here groups read the weights in place (nn_columns_groups)
+constexpr int64_t kInPlaceRowBlock = 16;  // weight rows per block there
+constexpr int64_t kPanelRowBlock = 512;  // weight rows per panel past kInPlaceMaxRows (nn_columns_panels)
 constexpr int64_t kRowBlock = 8;   // weight rows read together (RowMatmul), the next block prefetched meanwhile
 constexpr int kStripVectors = 4;   // 64 output columns held in registers per row (RowMatmul)
 constexpr int kNtAlign = 24;       // RowMatmulNT column chunks: a multiple of every block size J
@@ -49,21 +51,33 @@ inline float hsum(v16 v) {  // a fixed tree: 16 -> 8 -> 4 -> 1
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
+// Weight lines a strip's k loop prefetches (into L2) as it goes: row r of `base` (`ld` floats apart,
+// a strip's 64 floats each) on every `every`-th iteration, r = 0 .. rows - 1; no base: none.
+struct Prefetch {
+  const float* base = nullptr;
+  int64_t ld = 0;
+  int every = 1;
+  int64_t rows = 0;
+};
+
 // One strip of 64 columns starting at n, rows [0, M) of y (+)= x[:, k0:k1] @ w[k0:k1]: the strip's
 // accumulators live in registers; `first`: y holds nothing yet. Each output sums its terms in k order.
-// `ws` points at w[k0, n] and steps `ldw` floats per weight row. `ahead` > 0: each weight load also
-// prefetches (into L2) the line `ahead` floats further on: the same strip of the next block of rows.
+// `ws` points at w[k0, n] and steps `ldw` floats per weight row.
 template <int M>
 inline void nn_strip(const float* __restrict x, const float* __restrict ws, int64_t ldw, float* __restrict y,
-                     int64_t K, int64_t N, int64_t n, int64_t k0, int64_t k1, bool first, int64_t ahead = 0) {
+                     int64_t K, int64_t N, int64_t n, int64_t k0, int64_t k1, bool first, Prefetch pf = {}) {
   v16 acc[M][kStripVectors];
   for (int m = 0; m < M; ++m)
     for (int u = 0; u < kStripVectors; ++u) acc[m][u] = first ? v16{} : load(y + m * N + n + 16 * u);
+  int phase = 0;
+  int64_t fetched = 0;
   for (int64_t k = k0; k < k1; ++k) {
     v16 wv[kStripVectors];
     const float* wk = ws + (k - k0) * ldw;
+    const float* pk = pf.base != nullptr && phase == 0 && fetched < pf.rows ? pf.base + fetched++ * pf.ld : nullptr;
+    if (++phase == pf.every) phase = 0;
     for (int u = 0; u < kStripVectors; ++u) {
-      if (ahead > 0) __builtin_prefetch(wk + ahead + 16 * u, 0, 2);
+      if (pk != nullptr) __builtin_prefetch(pk + 16 * u, 0, 2);
       wv[u] = load(wk + 16 * u);
     }
     for (int m = 0; m < M; ++m) {
@@ -96,38 +110,75 @@ void nn_columns(const float* __restrict x, const float* __restrict w, float* __r
   constexpr int64_t strip = 16 * kStripVectors;
   for (int64_t k0 = kb; k0 < ke; k0 += kRowBlock) {
     const int64_t k1 = std::min(ke, k0 + kRowBlock);
-    const int64_t ahead = k1 + kRowBlock <= K ? kRowBlock * N : 0;
+    const bool more = k1 + kRowBlock <= K;  // prefetch the same strip of the next block of rows
     int64_t n = n0;
-    for (; n + strip <= n1; n += strip) nn_strip<M>(x, w + k0 * N + n, N, y, K, N, n, k0, k1, k0 == kb, ahead);
+    for (; n + strip <= n1; n += strip) {
+      const float* ws = w + k0 * N + n;
+      nn_strip<M>(x, ws, N, y, K, N, n, k0, k1, k0 == kb, {more ? ws + kRowBlock * N : nullptr, N, 1, k1 - k0});
+    }
     nn_tail(M, x, w, y, K, N, n, n1, k0, k1, k0 == kb);
   }
 }
 
-// The same for 9..kMaxRows rows (compute-bound): each strip of a block of weight rows is copied into a
-// contiguous panel (128 KB on the stack; reading the strip in place, N floats per row apart, measured
-// ~1.2x slower at 64 rows), then groups of kGroupRows rows take turns on it. A row's arithmetic is the
-// same as in nn_columns.
-void nn_columns_grouped(int rows, const float* __restrict x, const float* __restrict w, float* __restrict y,
-                        int64_t K, int64_t N, int64_t n0, int64_t n1, int64_t kb, int64_t ke) {
+// nn_strip for a group of 1..kGroupRows rows.
+inline void nn_strip_group(int m, const float* x, const float* ws, int64_t ldw, float* y, int64_t K, int64_t N,
+                           int64_t n, int64_t k0, int64_t k1, bool first, Prefetch pf) {
+  switch (m) {
+    case 1: return nn_strip<1>(x, ws, ldw, y, K, N, n, k0, k1, first, pf);
+    case 2: return nn_strip<2>(x, ws, ldw, y, K, N, n, k0, k1, first, pf);
+    case 3: return nn_strip<3>(x, ws, ldw, y, K, N, n, k0, k1, first, pf);
+    case 4: return nn_strip<4>(x, ws, ldw, y, K, N, n, k0, k1, first, pf);
+    case 5: return nn_strip<5>(x, ws, ldw, y, K, N, n, k0, k1, first, pf);
+    default: return nn_strip<kGroupRows>(x, ws, ldw, y, K, N, n, k0, k1, first, pf);
+  }
+}
+
+// The same for 9..kInPlaceMaxRows rows (mostly bandwidth-bound): groups of kGroupRows rows take turns on
+// each strip of a block of kInPlaceRowBlock weight rows, read in place (the first group's loads bring it
+// in, prefetching the next block); on the layer-shaped chain 1.4-1.6x faster than copying panels
+// (nn_columns_panels) at 9-16 rows, and faster than AMX there (docs/engineering-notes.md).
+void nn_columns_groups(int rows, const float* __restrict x, const float* __restrict w, float* __restrict y,
+                       int64_t K, int64_t N, int64_t n0, int64_t n1, int64_t kb, int64_t ke) {
   constexpr int64_t strip = 16 * kStripVectors;
-  alignas(64) float panel[kGroupRowBlock * strip];
-  for (int64_t k0 = kb; k0 < ke; k0 += kGroupRowBlock) {
-    const int64_t k1 = std::min(ke, k0 + kGroupRowBlock);
+  for (int64_t k0 = kb; k0 < ke; k0 += kInPlaceRowBlock) {
+    const int64_t k1 = std::min(ke, k0 + kInPlaceRowBlock);
+    const bool more = k1 + kInPlaceRowBlock <= K, first = k0 == kb;
+    int64_t n = n0;
+    for (; n + strip <= n1; n += strip) {
+      const float* ws = w + k0 * N + n;
+      for (int m0 = 0; m0 < rows; m0 += kGroupRows) {
+        const Prefetch pf{more && m0 == 0 ? ws + kInPlaceRowBlock * N : nullptr, N, 1, k1 - k0};
+        nn_strip_group(std::min(kGroupRows, rows - m0), x + m0 * K, ws, N, y + m0 * N, K, N, n, k0, k1, first, pf);
+      }
+    }
+    nn_tail(rows, x, w, y, K, N, n, n1, k0, k1, first);
+  }
+}
+
+// The same for more rows (compute-bound from ~24): each strip of a block of kPanelRowBlock weight rows
+// is copied into a contiguous panel (128 KB on the stack; reading the strip in place, N floats per row
+// apart, measured ~1.2x slower at 64 rows), then groups of kGroupRows rows take turns on it, each
+// prefetching its share of the next panel's strip between its own loads (~5% at 24-64 rows).
+void nn_columns_panels(int rows, const float* __restrict x, const float* __restrict w, float* __restrict y,
+                       int64_t K, int64_t N, int64_t n0, int64_t n1, int64_t kb, int64_t ke) {
+  constexpr int64_t strip = 16 * kStripVectors;
+  alignas(64) float panel[kPanelRowBlock * strip];
+  const int groups = (rows + kGroupRows - 1) / kGroupRows;
+  for (int64_t k0 = kb; k0 < ke; k0 += kPanelRowBlock) {
+    const int64_t k1 = std::min(ke, k0 + kPanelRowBlock);
     const bool first = k0 == kb;
     int64_t n = n0;
     for (; n + strip <= n1; n += strip) {
       for (int64_t k = k0; k < k1; ++k) std::memcpy(panel + (k - k0) * strip, w + k * N + n, strip * sizeof(float));
-      for (int m0 = 0; m0 < rows; m0 += kGroupRows) {
-        const float* xg = x + m0 * K;
-        float* yg = y + m0 * N;
-        switch (std::min(kGroupRows, rows - m0)) {
-          case 1: nn_strip<1>(xg, panel, strip, yg, K, N, n, k0, k1, first); break;
-          case 2: nn_strip<2>(xg, panel, strip, yg, K, N, n, k0, k1, first); break;
-          case 3: nn_strip<3>(xg, panel, strip, yg, K, N, n, k0, k1, first); break;
-          case 4: nn_strip<4>(xg, panel, strip, yg, K, N, n, k0, k1, first); break;
-          case 5: nn_strip<5>(xg, panel, strip, yg, K, N, n, k0, k1, first); break;
-          default: nn_strip<kGroupRows>(xg, panel, strip, yg, K, N, n, k0, k1, first); break;
-        }
+      // the next panel: the next strip of these weight rows, after the last one the next block's first
+      const bool last = n + 2 * strip > n1;
+      const int64_t next_k0 = last ? k1 : k0, next_k1 = last ? std::min(ke, k1 + kPanelRowBlock) : k1;
+      const float* next = w + next_k0 * N + (last ? n0 : n + strip);
+      const int64_t share = (next_k1 - next_k0 + groups - 1) / groups;  // its weight rows per group
+      for (int m0 = 0, g = 0; m0 < rows; m0 += kGroupRows, ++g) {
+        const int64_t own = std::clamp<int64_t>(next_k1 - next_k0 - g * share, 0, share);
+        const Prefetch pf{next + g * share * N, N, static_cast<int>(std::max<int64_t>(1, (k1 - k0) / std::max<int64_t>(1, own))), own};
+        nn_strip_group(std::min(kGroupRows, rows - m0), x + m0 * K, panel, strip, y + m0 * N, K, N, n, k0, k1, first, pf);
       }
     }
     nn_tail(rows, x, w, y, K, N, n, n1, k0, k1, first);
@@ -188,7 +239,7 @@ template <bool NT>
 void run_block(int rows, const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1,
                int64_t kb, int64_t ke) {
   if constexpr (!NT)
-    if (rows > 8) return nn_columns_grouped(rows, x, w, y, K, N, n0, n1, kb, ke);
+    if (rows > 8) return (rows <= kInPlaceMaxRows ? nn_columns_groups : nn_columns_panels)(rows, x, w, y, K, N, n0, n1, kb, ke);
   switch (rows) {
     case 1: return block<NT, 1>(x, w, y, K, N, n0, n1, kb, ke);
     case 2: return block<NT, 2>(x, w, y, K, N, n0, n1, kb, ke);

@@ -42,12 +42,12 @@ class Linear(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((out_features,), _dtype(cfg.param_dtype))) if bias else None
         self.compute_dtype = _dtype(cfg.dtype)
         self.row_kernel_max_rows = 0  # > 0: up to this many rows on `runner.row_matmul` (`with_row_kernel`)
-        self.amx_packed: AmxPacked | None = nnx.data(None)  # set: amx.MIN_ROWS rows or more on `runner.amx_matmul` (`with_amx`)
+        self.amx_packed: AmxPacked | None = nnx.data(None)  # set: rows `amx.takes` on `runner.amx_matmul` (`with_amx`)
 
     def __call__(self, x: Float[Array, "... in"]) -> Float[Array, "... out"]:
         x, w = x.astype(self.compute_dtype), self.kernel[...].astype(self.compute_dtype)
         rows = math.prod(x.shape[:-1])
-        if self.amx_packed is not None and rows >= amx.MIN_ROWS:
+        if self.amx_packed is not None and amx.takes(rows, self.row_kernel_max_rows):
             y = amx.amx_matmul(x, self.amx_packed[...])
         elif 0 < rows <= self.row_kernel_max_rows:
             y = row_matmul(x, w)
@@ -199,7 +199,7 @@ class LlamaForCausalLM(nnx.Module):
         """Final-norm'd hidden states -> float32 logits."""
         if self.lm_head is None:
             w, rows = self.embed_tokens[...].astype(hidden.dtype), math.prod(hidden.shape[:-1])
-            if self.amx_head is not None and rows >= amx.MIN_ROWS:
+            if self.amx_head is not None and amx.takes(rows, self.row_kernel_max_rows):
                 logits = amx.amx_matmul(hidden, self.amx_head[...])
             elif 0 < rows <= self.row_kernel_max_rows:
                 logits = row_matmul_nt(hidden, w)
@@ -282,7 +282,7 @@ def _amx_kernel(sub: nnx.Module) -> Array | None:
 
 def with_amx(module: ModuleT, enabled: bool = True) -> ModuleT:
     """A copy of `module` (sharing its arrays) whose float32 `Linear` layers of AMX-friendly shapes keep a
-    packed copy of their kernel and compute steps of `amx.MIN_ROWS` rows or more on `runner.amx_matmul`
+    packed copy of their kernel and compute the steps `amx.takes` (9+ rows the row kernel leaves) on `runner.amx_matmul`
     (needs `amx.load().available`). Refresh the packed copies after changing the kernels: `repack_amx`.
     `enabled=False`: a copy without packed kernels (a model taken from an engine that had them)."""
     copy = nnx.merge(*nnx.split(module))
