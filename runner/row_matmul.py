@@ -7,12 +7,14 @@ each of XLA's intra-op threads streaming one contiguous part of them) 21 / 23 / 
 once it prefetched the next block of weight rows in software, 4 and 8 rows cost about what one does
 (a layer-shaped chain: 17.5 / 18.7 / 21.3 ms at 1 / 4 / 8 rows on the Sapphire Rapids VM).
 Decode at B <= 8 and B=1 verification steps are such few-row steps. From 9 to 64 rows (`x @ w`
-only) groups of 6 rows take turns on each panel of weights while it is in cache: the 30 layers'
-matmuls at 16 / 32 rows ~1.25x faster than XLA's, at 64 rows about the same (throwaway timings,
-docs/engineering-notes.md). Each output is summed in the same order whatever the row count, so a row's
-result does not depend on which other rows share the step.
+only) groups of 6 rows take turns on each block of weights (read in place up to 20 rows, from a copied
+panel past that, the next one prefetched meanwhile): the 30 layers' matmuls at 16 / 32 / 64 rows 26.7 /
+37.9 / 59.6 ms against XLA's 46.9 / 62.4 / 77.1 (throwaway timings, docs/engineering-notes.md). Each
+output is summed in the same order whatever the row count, so a row's result does not depend on which
+other rows share the step.
 
-On CPUs with AMX-BF16, `runner.amx_matmul` takes the steps of 9 rows or more (`Linear.__call__` picks).
+On CPUs with AMX-BF16, `runner.amx_matmul` takes the layers' steps of 25 rows or more and the tied head's
+past 8 (`amx_matmul.takes`, called by `Linear.__call__`).
 
 The kernel is built on first use (`runner.kernel_build`: AVX-512 CPUs with a C++ compiler); `load()`
 says whether it is usable and, if not, why; the model then keeps XLA's dot.
