@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array
 
 from runner.attention import ATTENTION_IMPLS
-from runner.buckets import BucketConfig, pick
+from runner.buckets import BucketConfig
 from runner.cpu_attention import load as load_cpu_attention
 from runner.kernel_build import KernelStatus
 from runner.kv_cache import KVCacheSpec, allocate_kv_caches
@@ -35,6 +34,7 @@ from runner.spec_decode.eagle3_drafter import Eagle3Drafter
 from runner.step_inputs import (  # noqa: F401  (StepBatch, MAX_SUPPRESS: re-exported for the engine)
     MAX_SUPPRESS, DeviceBatch, StepBatch, pad_replicas)
 from runner.step_program import compiled_chunk, compiled_step
+from runner.warmup_steps import DummySteps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +138,8 @@ class ModelRunner:
         self._packed_from = tuple(map(id, jax.tree.leaves(self.params)))
         self.drafter = None if draft_head is None else Eagle3Drafter(draft_head, graphdef, defs, kv_spec, self.mesh,
                                                                      pinned)
+        self.dummy_steps = DummySteps(buckets, kv_spec, num_scheduler_steps, num_verify_steps,
+                                      has_drafter=draft_head is not None, max_logprobs=max_logprobs)
 
     @property
     def model(self) -> LlamaForCausalLM:
@@ -268,89 +270,9 @@ class ModelRunner:
         `speculative_k > 0` the verification programs (a sampled row per token), `rejection` those
         of rejection-sampling verification.
         """
-        bk = self.buckets
-        shapes = [(True, s, p) for s, p in itertools.product(bk.seq_buckets, bk.page_buckets)]
-        shapes += [(False, t, p) for t, p in itertools.product(bk.token_buckets, bk.page_buckets)]
-        tops = (0, 1) if self.max_logprobs > 0 else (0,)
         count = 0
-        for (decode, n, pages), top in itertools.product(shapes, tops):
-            dummy = dataclasses.replace(self._dummy(decode, n, pages), num_top_logprobs=top)
-            variants = [dummy]
-            if prompt_logprobs and not decode:
-                variants.append(dataclasses.replace(dummy, target_ids=np.zeros_like(dummy.token_ids)))
-            for step in variants:
-                self.run(step)
-                count += 1
-        if speculative_k:
-            for n, top in itertools.product(bk.verify_buckets, tops):
-                if n <= bk.max_num_seqs * (speculative_k + 1):  # reachable
-                    step = self._dummy_verify(n, bk.page_buckets[-1], speculative_k, top)
-                    if rejection:
-                        step = dataclasses.replace(step, draft_ids=np.full(step.num_rows, -1, np.int32))
-                    self.run(step)
-                    count += 1
-            if self.num_verify_steps > 1 and not rejection:
-                for n, top in itertools.product(self._verify_steps_seqs(speculative_k), tops):
-                    self.run(self._dummy_verify_steps(n, bk.page_buckets[-1], speculative_k, top))
-                    count += 1
+        for step in self.dummy_steps.every_bucket(prompt_logprobs=prompt_logprobs, speculative_k=speculative_k,
+                                                  rejection=rejection):
+            self.run(step)
+            count += 1
         return count
-
-    def _verify_steps_seqs(self, k: int) -> list[int]:
-        """One sequence count per verification bucket that multi-step verification (k + 1 tokens each) reaches."""
-        largest: dict[int, int] = {}
-        for n in range(1, self.buckets.max_num_seqs + 1):
-            if n * (k + 1) <= self.buckets.verify_buckets[-1]:
-                largest[pick(self.buckets.verify_buckets, n * (k + 1))] = n
-        return sorted(largest.values())
-
-    def _dummy_verify_steps(self, num_seqs: int, pages: int, k: int, num_top: int) -> StepBatch:
-        """A one-step multi-step verification of `num_seqs` sequences (k + 1 tokens each)."""
-        step = self._dummy_verify(num_seqs * (k + 1), pages, k, num_top)
-        rows = step.num_rows
-        return dataclasses.replace(step, num_steps=np.ones(rows, np.int32), suppress_steps=np.zeros(rows, np.int32),
-                                   stop_ids=np.full((rows, MAX_SUPPRESS), -1, np.int32))
-
-    def _dummy_verify(self, n: int, pages: int, k: int, num_top: int) -> StepBatch:
-        """A verification step of exactly `n` tokens (so it pads to bucket `n`): sequences of k + 1
-        tokens and one shorter remainder, a sampled row per token."""
-        q_len = min(k + 1, n)
-        q_lens = np.full(n // q_len, q_len, np.int32)
-        if n % q_len:
-            q_lens = np.append(q_lens, np.int32(n % q_len))
-        num_seqs = len(q_lens)
-        base = self._dummy(True, num_seqs, pages)
-        capacity = pages * self.kv_spec.block_size
-        rep = lambda x: np.repeat(x, q_lens, axis=0)  # noqa: E731
-        slots = np.concatenate([np.arange(q, dtype=np.int32) - 1 for q in q_lens])  # the head drafts after the first
-        return dataclasses.replace(
-            base, token_ids=np.zeros(n, np.int32),
-            positions=np.concatenate([np.arange(capacity - q, capacity, dtype=np.int32) for q in q_lens]),
-            q_lens=q_lens, temperature=rep(base.temperature), top_k=rep(base.top_k),
-            top_p=rep(base.top_p), min_p=rep(base.min_p), seeds=rep(base.seeds), sample_index=rep(base.sample_index),
-            processed=rep(base.processed), suppress_ids=rep(base.suppress_ids), num_top_logprobs=num_top,
-            num_steps=None, suppress_steps=None, stop_ids=None,
-            logits_indices=np.arange(n, dtype=np.int32), draft_slots=slots if self.drafter is not None else None)
-
-    def _dummy(self, decode: bool, n: int, pages: int) -> StepBatch:
-        """A step of bucket shape (n sequences for decode, n tokens for prefill; `pages` of context)."""
-        capacity = pages * self.kv_spec.block_size
-        if decode:
-            q_lens = np.ones(n, np.int32)
-        else:
-            num_seqs = min(-(-n // capacity), self.buckets.max_num_seqs)
-            q_lens = np.full(num_seqs, min(capacity, n // num_seqs), np.int32)
-        num_seqs = len(q_lens)
-        kv_lens = np.full(num_seqs, capacity, np.int32)
-        positions = np.concatenate([np.arange(k - q, k) for k, q in zip(kv_lens, q_lens)]).astype(np.int32)
-        ones = np.ones(num_seqs, np.float32)
-        drop = self.kv_spec.blocks_per_replica  # past replica 0's blocks: every write is dropped
-        chunk = decode and self.num_scheduler_steps > 1  # decode steps run as (one-step) chunks
-        return StepBatch(
-            token_ids=np.zeros(len(positions), np.int32), positions=positions, q_lens=q_lens, kv_lens=kv_lens,
-            block_tables=[[drop] * pages] * num_seqs, temperature=ones, top_k=np.zeros(num_seqs, np.int32),
-            top_p=ones, min_p=0 * ones, seeds=np.zeros(num_seqs, np.uint32),
-            sample_index=np.zeros(num_seqs, np.int32), processed=np.zeros(num_seqs, bool),
-            suppress_ids=np.full((num_seqs, MAX_SUPPRESS), -1, np.int32),
-            num_steps=np.ones(num_seqs, np.int32) if chunk else None,
-            suppress_steps=np.zeros(num_seqs, np.int32) if chunk else None,
-            stop_ids=np.full((num_seqs, MAX_SUPPRESS), -1, np.int32) if chunk else None)

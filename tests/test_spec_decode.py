@@ -282,7 +282,7 @@ def test_warmup_compiles_every_verification_row_count(model) -> None:
     for rows in range(1, ENGINE_KW["max_num_seqs"] * (k + 1) + 1):
         # other splits than warmup's (sequences of k + 1 tokens): 2-token sequences where they fit
         split = 1 if -(-rows // 2) <= ENGINE_KW["max_num_seqs"] else k
-        runner.run(runner._dummy_verify(rows, pages, split, 0))
+        runner.run(runner.dummy_steps.verify(rows, pages, split, 0))
     assert num_compilations() - before == 0
 
 
