@@ -138,6 +138,8 @@ class Engine:
             for rid, _, seqs in requests:  # drop this call's unfinished work; the engine stays usable
                 self.scheduler.abort(seqs)
                 self.scheduler.forget_request(rid)
+            # the failed step's blocks were published for prefix sharing when scheduled, maybe never computed
+            self.block_manager.invalidate_prefix_cache()
             raise
         finally:
             self._generating = False
@@ -224,13 +226,21 @@ class Engine:
                 except weight_sync.WeightSyncError as nan_err:
                     problems += [p for p in nan_err.problems if p not in problems]
             raise weight_sync.WeightSyncError(problems) from None
-        if draft_plan is not None and check_finite:  # validate both before either is applied
-            src = weight_sync.flatten(draft_params, what="source")
-            reject_non_finite(src, sorted({p for op in draft_plan.ops for p in op.sources}))
-        weight_sync.apply(plan, params, self.runner.params, check_finite=check_finite)
-        if draft_plan is not None:
-            weight_sync.apply(draft_plan, draft_params, drafter.params)
-        self.block_manager.invalidate_prefix_cache()
+        if draft_plan is not None:  # validate both before either is applied (apply checks only its own trees)
+            draft_src = weight_sync.flatten(draft_params, what="source")
+            flat = weight_sync.flatten
+            problems = (weight_sync.abstract_leaves(flat(params, what="source"), flat(self.runner.params, what="target"))
+                        + weight_sync.abstract_leaves(draft_src, flat(drafter.params, what="target")))
+            if problems:
+                raise weight_sync.WeightSyncError(problems)
+            if check_finite:
+                reject_non_finite(draft_src, sorted({p for op in draft_plan.ops for p in op.sources}))
+        try:
+            weight_sync.apply(plan, params, self.runner.params, check_finite=check_finite)
+            if draft_plan is not None:
+                weight_sync.apply(draft_plan, draft_params, drafter.params)
+        finally:  # even a sync that failed part way (device memory) may have changed weights
+            self.block_manager.invalidate_prefix_cache()
         self.policy_version = version if version is not None else (self.policy_version or 0) + 1
         self.stats_.num_weight_syncs += 1
 

@@ -26,6 +26,7 @@ from runner.compile_counter import num_compilations
 from runner.spec_decode.eagle3 import Eagle3Head
 from runner.spec_decode.eagle3_checkpoint import init_eagle3_head, load_eagle3_head, save_eagle3_head
 from runner.spec_decode.eagle3_train import eagle3_loss, pack_sequences, target_features, target_to_draft
+from weight_sync import WeightSyncError
 from test_engine import CFG, ENGINE_KW, MAX_LEN, ByteTokenizer, make_model, rand_prompt
 from test_spec_decode import CASES, assert_same
 
@@ -448,6 +449,12 @@ def test_sync_weights_policy_and_draft_head(model, plain: Engine, trained_head_d
     assert b.policy_version is None  # nothing applied
     shared = init_eagle3_head(other, seed=7)
     published = _published(shared)
+    abstract = {name: jax.ShapeDtypeStruct(x.shape, x.dtype) for name, x in published.items()}
+    with pytest.raises(WeightSyncError, match="ShapeDtypeStruct"):  # the head's tree fails after the policy's plan
+        b.sync_weights(nnx.state(other, nnx.Param), draft_params=abstract, draft_mapping="eagle3-hf")
+    assert b.policy_version is None
+    for ours, before in zip(jax.tree.leaves(b.runner.params), jax.tree.leaves(nnx.state(model, nnx.Param))):
+        assert np.array_equal(np.asarray(ours), np.asarray(before))  # the policy's weights untouched
     a.sync_weights(nnx.state(other, nnx.Param))
     b.sync_weights(nnx.state(other, nnx.Param), draft_params=published, draft_mapping="eagle3-hf")
     log = record_drafts(b)

@@ -6,7 +6,7 @@
 Usable on its own by a trainer: it imports neither `runner` nor `rollout`.
 """
 
-from weight_sync.apply import apply
+from weight_sync.apply import abstract_leaves, apply
 from weight_sync.compiles import CompileCounter
 from weight_sync.errors import WeightSyncError
 from weight_sync.lora import LoraPair, merge_lora, plan_lora
@@ -17,5 +17,5 @@ from weight_sync.rules import Rule, Split
 
 __all__ = [
     "CompileCounter", "FlatTree", "LoraPair", "Rule", "Split", "SyncPlan", "TargetOp", "Transform", "WeightSyncError",
-    "apply", "flatten", "hf", "hf_fused", "identity", "merge_lora", "plan", "plan_lora", "resolve",
+    "abstract_leaves", "apply", "flatten", "hf", "hf_fused", "identity", "merge_lora", "plan", "plan_lora", "resolve",
 ]

@@ -75,6 +75,15 @@ def _shares_buffers(a: jax.Array, b: jax.Array) -> bool:
     return any(s.data.unsafe_buffer_pointer() in ours for s in b.addressable_shards)
 
 
+def abstract_leaves(src: FlatTree, tgt: FlatTree) -> list[str]:
+    """One problem per source or target leaf that is a `jax.ShapeDtypeStruct`: `plan` accepts them (it
+    needs shapes only), `apply` needs real arrays. Callers applying several plans together check them
+    all first, so that none is applied when another would fail."""
+    return [f"{what} {p!r} is a ShapeDtypeStruct: apply needs real arrays" for what, f in
+            (("source", src), ("target", tgt)) for p, x in zip(f.paths, f.leaves)
+            if isinstance(x, jax.ShapeDtypeStruct)]
+
+
 def apply(plan: SyncPlan, src_tree: PyTree, target_state: PyTree, *, check_finite: bool = False,
           delete_old: bool = True, on_tensor: Callable[[str], None] | None = None) -> PyTree:
     """Sync `src_tree` into `target_state` following `plan`; returns the updated target.
@@ -87,10 +96,7 @@ def apply(plan: SyncPlan, src_tree: PyTree, target_state: PyTree, *, check_finit
     """
     src, tgt = flatten(src_tree, what="source"), flatten(target_state, what="target")
     check_structure(plan, src, tgt)
-    abstract = [f"{what} {p!r} is a ShapeDtypeStruct: apply needs real arrays" for what, f in
-                (("source", src), ("target", tgt)) for p, x in zip(f.paths, f.leaves)
-                if isinstance(x, jax.ShapeDtypeStruct)]
-    if abstract:
+    if abstract := abstract_leaves(src, tgt):
         raise WeightSyncError(abstract)
     if check_finite:
         reject_non_finite(src, sorted({p for op in plan.ops for p in op.sources}))
