@@ -139,23 +139,34 @@ class OutputProcessor:
             if not p.ignore_eos and token in self.eos_token_ids:
                 seq.finish_reason = "stop"
                 return True
-            if p.stop:
-                text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=p.skip_special_tokens)
-                tail = text[-(max(len(s) for s in p.stop) + 32):]
-                hit = next((s for s in p.stop if s in tail), None)
-                if hit is not None:
-                    seq.finish_reason, seq.stop_reason = "stop", hit
-                    return True
+        if p.stop and self._stop_string(seq):
+            return True
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
             return True
         return False
 
+    def _stop_string(self, seq: Sequence) -> bool:
+        """Did a stop string end in the text the last token added? As in vLLM, a stop string may end only
+        in the text of a token after the first `min_tokens` (where stop ids and EOS are masked), though
+        it may start earlier."""
+        p = seq.params
+        text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=p.skip_special_tokens)
+        start, seq.stop_text_checked = seq.stop_text_checked, len(text)
+        if seq.num_output_tokens <= p.min_tokens:
+            return False
+        hits = [(i, s) for s in p.stop if (i := text.find(s, max(0, start - len(s) + 1))) >= 0]
+        if not hits:
+            return False
+        seq.stop_text_at, hit = min(hits)
+        seq.finish_reason, seq.stop_reason = "stop", hit
+        return True
+
     def completion(self, seq: Sequence, policy_version: int | None) -> CompletionOutput:
         p = seq.params
         text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=p.skip_special_tokens)
-        if isinstance(seq.stop_reason, str):
-            text = text[:text.find(seq.stop_reason)] if seq.stop_reason in text else text
+        if isinstance(seq.stop_reason, str) and seq.stop_text_at is not None:
+            text = text[:seq.stop_text_at]
         logprobs = None
         cumulative = None
         if p.logprobs is not None:

@@ -70,6 +70,11 @@ def prompt_token_ids(prompt: Prompt, sp: SamplingParams, tokenizer: Tokenizer, l
         if k is not None and k > limits.max_logprobs:
             raise ValueError(f"{name}={k} exceeds the engine's max_logprobs={limits.max_logprobs}; "
                              "ask for fewer or build the engine with a larger max_logprobs")
-    if sp.min_tokens > 0 and len(set(limits.eos_token_ids) | set(sp.stop_token_ids)) > limits.max_suppress:
-        raise ValueError(f"min_tokens needs EOS and stop_token_ids suppressed: at most {limits.max_suppress} ids")
+    bad = [t for t in sp.stop_token_ids if t >= vocab]
+    if bad:
+        raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+    eos = () if sp.ignore_eos else limits.eos_token_ids
+    if sp.min_tokens > 0 and len(set(eos) | set(sp.stop_token_ids)) > limits.max_suppress:
+        raise ValueError(f"min_tokens masks EOS (unless ignore_eos) and stop_token_ids until then: at most "
+                         f"{limits.max_suppress} ids; pass fewer stop_token_ids")
     return ids

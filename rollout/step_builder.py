@@ -11,16 +11,24 @@ from rollout.sequence import Sequence
 from runner.model_runner import MAX_SUPPRESS, StepBatch
 
 
-def ending_ids(seq: Sequence, eos_token_ids: tuple[int, ...], *, with_eos: bool = True) -> list[int]:
-    """EOS (unless `with_eos` is False) and the sequence's stop ids, without repeats."""
-    return list(dict.fromkeys([*(eos_token_ids if with_eos else ()), *seq.params.stop_token_ids]))
+def ending_ids(seq: Sequence, eos_token_ids: tuple[int, ...]) -> list[int]:
+    """EOS (unless the sequence ignores it: then it is an ordinary token, never masked, as in vLLM) and the
+    sequence's stop ids, without repeats."""
+    eos = () if seq.params.ignore_eos else eos_token_ids
+    return list(dict.fromkeys([*eos, *seq.params.stop_token_ids]))
 
 
 def suppressed_ids(seq: Sequence, eos_token_ids: tuple[int, ...]) -> list[int]:
-    """Ids a sequence may not sample yet: EOS and its stop ids until `min_tokens` are out."""
+    """Ids a sequence may not sample yet: EOS (unless ignored) and its stop ids until `min_tokens` are out."""
     if seq.num_output_tokens >= seq.params.min_tokens:
         return []
     return ending_ids(seq, eos_token_ids)
+
+
+def _top_k(top_k: int) -> int:
+    """A request's top-k as the device takes it: 0 = off (also -1, and counts past int32 that mean the
+    same as the whole vocabulary)."""
+    return top_k if 0 < top_k < 2**31 else 0
 
 
 def device_stops(seqs: list[Sequence], eos_token_ids: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
@@ -30,7 +38,7 @@ def device_stops(seqs: list[Sequence], eos_token_ids: tuple[int, ...]) -> tuple[
     suppress_steps = np.array([max(0, s.params.min_tokens - s.num_output_tokens) for s in seqs], np.int32)
     stop_ids = np.full((len(seqs), MAX_SUPPRESS), -1, np.int32)
     for i, seq in enumerate(seqs):
-        ids = ending_ids(seq, eos_token_ids, with_eos=not seq.params.ignore_eos)
+        ids = ending_ids(seq, eos_token_ids)
         stop_ids[i, :min(len(ids), MAX_SUPPRESS)] = ids[:MAX_SUPPRESS]
     return suppress_steps, stop_ids
 
@@ -72,7 +80,7 @@ def build_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...],
         token_ids=token_ids, positions=positions, q_lens=counts, kv_lens=kv_lens,
         block_tables=[s.block_table for s in seqs],
         temperature=np.array([p.temperature for p in params], np.float32),
-        top_k=np.array([p.top_k if p.top_k > 0 else 0 for p in params], np.int32),
+        top_k=np.array([_top_k(p.top_k) for p in params], np.int32),
         top_p=np.array([p.top_p for p in params], np.float32),
         min_p=np.array([p.min_p for p in params], np.float32),
         seeds=np.array([s.seed for s in seqs], np.uint32),
@@ -120,7 +128,7 @@ def build_verify_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...], dra
         token_ids=token_ids, positions=positions, q_lens=counts, kv_lens=starts + counts,
         block_tables=[s.block_table for s in seqs],
         temperature=np.array([p.temperature for p in params], np.float32),
-        top_k=np.array([p.top_k if p.top_k > 0 else 0 for p in params], np.int32),
+        top_k=np.array([_top_k(p.top_k) for p in params], np.int32),
         top_p=np.array([p.top_p for p in params], np.float32),
         min_p=np.array([p.min_p for p in params], np.float32),
         seeds=np.array([seqs[i].seed for i in row_seq], np.uint32),

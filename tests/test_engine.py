@@ -7,6 +7,8 @@ plain full-sequence forward (`model(ids[None], positions[None])`), i.e. what a t
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 
 import jax
@@ -356,6 +358,10 @@ def test_eos_stops_and_min_tokens_masks_it(eos_engine: Engine) -> None:
     (out,) = eos_engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True))
     c = out.outputs[0]
     assert len(c.token_ids) == 7 and c.finish_reason == "length" and c.token_ids[0] == EOS
+    # ignore_eos makes EOS an ordinary token: min_tokens does not mask it (as in vLLM), in the prefill
+    # step's sampling and in the multi-step decode calls alike
+    (out,) = eos_engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=7, min_tokens=5, ignore_eos=True))
+    assert out.outputs[0].token_ids == [EOS] * 7
 
 
 def test_min_tokens_also_masks_stop_token_ids(engine: Engine, ref: Reference) -> None:
@@ -396,6 +402,22 @@ def test_max_tokens_stop_token_ids_and_stop_strings(engine: Engine, ref: Referen
     assert c.token_ids == greedy[:k + 2]
     assert c.finish_reason == "stop" and c.stop_reason == stop
     assert c.text == text[:k]
+
+
+def test_stop_strings_in_the_first_min_tokens_do_not_count(engine: Engine, ref: Reference) -> None:
+    """As in vLLM: the text of the first `min_tokens` tokens is never searched for stop strings, so one
+    seen there ends nothing later on; its next occurrence does, and the text ends before that one."""
+    tok = ByteTokenizer()
+    prompt = PROMPTS[2]
+    greedy = ref.greedy(prompt, 40)
+    text = tok.decode(greedy)
+    a, stop = next((i, ch) for i, ch in enumerate(text[:20]) if ch in text[i + 2:])
+    b = text.index(stop, a + 2)
+    (out,) = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=40, min_tokens=a + 2, stop=[stop]))
+    c = out.outputs[0]
+    assert c.token_ids == greedy[:b + 1]
+    assert c.finish_reason == "stop" and c.stop_reason == stop
+    assert c.text == text[:b]
 
 
 def test_prompt_close_to_max_model_len_finishes_with_length(engine: Engine, ref: Reference) -> None:
@@ -490,6 +512,7 @@ def test_bad_input_raises_before_any_state_change(engine: Engine) -> None:
         ([good, good], [sp]),
         ([good], "not params"),
     ]
+    bad_calls += [([good], SamplingParams(stop_token_ids=[VOCAB])), ([good], SamplingParams(stop_token_ids=[2**40]))]
     for prompts, params in bad_calls:
         state = (engine._next_id, engine.stats_.num_sequences, len(engine.scheduler.waiting),
                  engine.block_manager.num_free_blocks)
@@ -500,6 +523,33 @@ def test_bad_input_raises_before_any_state_change(engine: Engine) -> None:
                 engine.block_manager.num_free_blocks) == state, prompts
     assert engine.generate([good], sp)[0].outputs[0].token_ids == expected
     assert engine.generate(ByteTokenizer().decode(good), sp)[0].outputs[0].token_ids == expected
+
+
+def test_a_failed_step_leaves_no_prefix_cached(engine: Engine, ref: Reference, monkeypatch: pytest.MonkeyPatch
+                                               ) -> None:
+    """A step whose blocks were published for prefix sharing but never computed (the device call failed)
+    must not serve them later: the next call with the same prompt recomputes its K/V."""
+    prompt = rand_prompt(np.random.default_rng(77), 40)  # two full blocks of 16
+
+    def lost(batch: object) -> None:
+        raise RuntimeError("device lost")
+
+    with monkeypatch.context() as m:
+        m.setattr(engine.runner, "run", lost)
+        with pytest.raises(RuntimeError, match="device lost"):
+            engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8))
+    assert not engine.scheduler.has_unfinished()
+    (out,) = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8))
+    assert out.outputs[0].token_ids == ref.greedy(prompt, 8)
+
+
+def test_top_k_past_int32_means_off(engine: Engine) -> None:
+    """A top_k larger than the vocabulary (even past int32) keeps every token, like 0."""
+    good = PROMPTS[1]
+    sp = SamplingParams(temperature=1.0, seed=5, max_tokens=6)
+    want = engine.generate([good], sp)[0].outputs[0].token_ids
+    for k in (VOCAB, 2**40):
+        assert engine.generate([good], dataclasses.replace(sp, top_k=k))[0].outputs[0].token_ids == want
 
 
 def test_top_k_zero_and_minus_one_both_mean_off(engine: Engine) -> None:
