@@ -36,8 +36,9 @@ class EngineConfig:
     max_logprobs: int = 20
     enable_prefix_caching: bool = True
     speculative: NgramConfig | Eagle3Config | None = None  # draft (n-gram lookup or an EAGLE-3 head), verified
-    # "auto": JAX's Pallas paged-attention kernel for decode steps on a GPU without tensor
-    # parallelism, the pure-JAX kernel otherwise; or one of runner.attention.ATTENTION_IMPLS.
+    # "auto" (`runner.attention.auto_attention_impl`): without tensor parallelism, JAX's Pallas
+    # paged-attention kernel for decode steps on a GPU (on a TPU with a bfloat16 cache), the C++ kernel
+    # on one CPU device with a float32 cache; the pure-JAX path otherwise. Or one of ATTENTION_IMPLS.
     attention_backend: str = "auto"
     # Multi-step decode (vLLM's name): up to this many decode steps per device call, the sampled
     # tokens fed back on the device; the host sees the batch (stops, new requests) once per call.
@@ -65,8 +66,10 @@ class EngineConfig:
             object.__setattr__(self, "num_scheduler_steps", DEFAULT_SCHEDULER_STEPS)
         if not isinstance(self.num_scheduler_steps, int) or not 1 <= self.num_scheduler_steps <= 64:
             raise ValueError(f"num_scheduler_steps must be an integer in [1, 64], got {self.num_scheduler_steps!r}")
-        if self.max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
 
 
 @dataclasses.dataclass
@@ -88,7 +91,9 @@ class EngineStats:
     generate_seconds: float = 0.0
     speculative: SpecStats | None = None  # drafting counters when speculation is configured
     cpu_row_kernel: str = ""  # "ok": steps of <= 64 rows use runner.row_matmul (tied head <= 8); else why XLA's dot
-    cpu_amx: str = ""  # "ok": the layers' matmuls of >= 9 rows use runner.amx_matmul (AMX tiles); else why not
+    # "ok": matmuls `runner.amx_matmul.takes` use AMX tiles (the layers' of >= 25 rows where the row kernel
+    # runs, else >= 9; the tied head's past 8 rows); else why not
+    cpu_amx: str = ""
     attention_impl: str = ""  # the attention kernel of decode / verification steps (runner.attention.ATTENTION_IMPLS)
 
     @property

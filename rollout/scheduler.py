@@ -28,7 +28,9 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
-    decode_steps: int = 1  # tokens a decode step may produce per sequence (speculation: k + 1)
+    # positions a decode call may write per sequence (speculation: k + 1 per verification step, times
+    # the EAGLE-3 verification steps of one call)
+    decode_steps: int = 1
     num_replicas: int = 1  # data-parallel replicas; the two budgets above apply to each
     num_scheduler_steps: int = 1  # multi-step decode: decode steps per call, each sequence's count in num_new_tokens
 

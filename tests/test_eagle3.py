@@ -256,7 +256,7 @@ def test_checkpoint_errors_list_every_problem(model, tmp_path) -> None:
                           speculative=Eagle3Config(str(tmp_path), aux_layer_ids=(0, 1, 5)))
     with pytest.raises(FileNotFoundError):
         Engine.from_model(model, ByteTokenizer(), **ENGINE_KW, speculative=Eagle3Config(str(tmp_path / "nope")))
-    for bad in (dict(k=0), dict(verification="maybe"), dict(aux_layer_ids=(1, 2)), dict(min_confidence=1.5),
+    for bad in (dict(k=0), dict(k=2.0), dict(verification="maybe"), dict(aux_layer_ids=(1, 2)), dict(min_confidence=1.5),
                 dict(min_confidence=-0.1)):
         with pytest.raises(ValueError):
             Eagle3Config(str(tmp_path), **bad)

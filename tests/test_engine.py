@@ -543,6 +543,12 @@ def test_a_failed_step_leaves_no_prefix_cached(engine: Engine, ref: Reference, m
     assert out.outputs[0].token_ids == ref.greedy(prompt, 8)
 
 
+def test_engine_config_is_validated_before_any_load() -> None:
+    for bad in (dict(seed=-1), dict(seed=1.5), dict(max_logprobs=-1), dict(max_logprobs=2.0)):
+        with pytest.raises(ValueError, match="seed|max_logprobs"):
+            Engine.from_pretrained("/nonexistent/checkpoint", **bad)  # the config fails first
+
+
 def test_top_k_past_int32_means_off(engine: Engine) -> None:
     """A top_k larger than the vocabulary (even past int32) keeps every token, like 0."""
     good = PROMPTS[1]

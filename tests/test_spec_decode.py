@@ -116,6 +116,9 @@ def test_ngram_config_validation(model) -> None:
         NgramConfig(k=0)
     with pytest.raises(ValueError):
         NgramConfig(prompt_lookup_min=3, prompt_lookup_max=2)
+    for bad in (dict(k=2.5), dict(prompt_lookup_max=3.5)):  # would fail only later, inside generate()
+        with pytest.raises(ValueError, match="must be integers"):
+            NgramConfig(**bad)
     with pytest.raises(ValueError):
         Engine.from_model(model, ByteTokenizer(), **ENGINE_KW, speculative=NgramConfig(k=8))
 

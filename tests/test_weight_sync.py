@@ -367,6 +367,16 @@ def test_lora_merge(layout: str) -> None:
     assert len(e.value.problems) == 3, e.value
     after = flat(state)
     assert all(np.array_equal(before[k], after[k]) for k in before)
+    if layout != "peft":
+        return
+    # two adapters on one module (PEFT names them: lora_A.default, lora_A.other): refused, not half merged
+    a_key = next(k for k in lora if "lora_A" in k)
+    named = lambda key, name: key.replace("lora_A", f"lora_A.{name}").replace("lora_B", f"lora_B.{name}")  # noqa: E731
+    pair = {k: v for k, v in lora.items() if k.rsplit("lora_", 1)[0] == a_key.rsplit("lora_", 1)[0]}
+    two = {named(k, name): v for name in ("default", "other") for k, v in pair.items()}
+    with pytest.raises(ws.WeightSyncError, match="several A matrices"):
+        ws.merge_lora(two, state, scale=scale, layout=layout)
+    assert all(np.array_equal(before[k], v) for k, v in flat(state).items())
 
 
 def test_takes_expand_a_source_into_padded_or_replicated_columns() -> None:

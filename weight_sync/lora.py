@@ -94,7 +94,12 @@ def plan_lora(lora_tree: PyTree, target_state: PyTree, *, layout: Layout = "jax"
         if ms is None:
             problems.append(f"LoRA source {p!r} is neither a lora_A nor a lora_B matrix")
             continue
-        sides.setdefault(ms[0], {})[ms[1]] = p
+        ab = sides.setdefault(ms[0], {})
+        if ms[1] in ab:  # e.g. PEFT's lora_A.default and lora_A.other on one module
+            problems.append(f"LoRA for {ms[0]!r} has several {ms[1].upper()} matrices ({ab[ms[1]]!r}, {p!r}): "
+                            "merge one adapter per call")
+            continue
+        ab[ms[1]] = p
     pairs: list[LoraPair] = []
     for module, ab in sides.items():
         target = f"{module}.kernel"

@@ -32,8 +32,8 @@ class Eagle3Config:
     def __post_init__(self) -> None:
         if not isinstance(self.path, str) or not self.path:
             raise ValueError(f"Eagle3Config.path must be the head's checkpoint directory, got {self.path!r}")
-        if self.k < 1:
-            raise ValueError(f"Eagle3Config.k must be >= 1, got {self.k}")
+        if not isinstance(self.k, int) or self.k < 1:
+            raise ValueError(f"Eagle3Config.k must be an integer >= 1, got {self.k!r}")
         if self.verification not in VERIFICATION_MODES:
             raise ValueError(f"Eagle3Config.verification must be 'exact' or 'rejection', got {self.verification!r}")
         if not 0.0 <= self.min_confidence <= 1.0:

@@ -207,13 +207,14 @@ def _draft_verify_steps(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: Tr
 
     `batch` is the first step's verification batch: every sequence feeds its last token and `num_steps`
     drafts (`draft_slots`), and its `chunk` holds, per row, the steps its sequence runs
-    (`num_steps`: the same for all; the host chose it so no sequence can reach `max_tokens` or
-    `max_model_len` inside the loop, and made room for all of it in the KV cache), how many more of
+    (`num_steps`, per sequence: as many as fit before `max_model_len` and no more than its `max_tokens`
+    could use; tokens past `max_tokens` are dropped by the host, and the scheduler made room for every
+    step's k + 1 positions in the KV cache), how many more of
     its tokens suppress `suppress_ids` (`min_tokens`) and its `stop_ids`. After each step, on the
     device, a sequence accepts its drafts while they equal the target's tokens, and its next step
     feeds the last target token at the next position; it stops after a step that emitted a stop id.
     Returns every step's sampled rows `[I, R * T]` and drafts `[I, R, S, K]` (steps after a sequence
-    stopped: ignore); the host replays acceptance from them (`OutputProcessor.process_verified`).
+    stopped: ignore); the host replays acceptance from them (`OutputProcessor.process_verify_steps`).
     """
     head = _merge(head_gd, defs[0], defs[1], head_params, head_rest)
     target = _merge(target_gd, defs[2], defs[3], params, rest)

@@ -24,6 +24,9 @@ class NgramConfig:
     def __post_init__(self) -> None:
         if self.verification not in ("exact", "rejection"):
             raise ValueError(f"NgramConfig.verification must be 'exact' or 'rejection', got {self.verification!r}")
+        if not all(isinstance(v, int) for v in (self.k, self.prompt_lookup_min, self.prompt_lookup_max)):
+            raise ValueError("NgramConfig.k, prompt_lookup_min and prompt_lookup_max must be integers, got "
+                             f"{self.k!r}, {self.prompt_lookup_min!r}, {self.prompt_lookup_max!r}")
         if self.k < 1:
             raise ValueError(f"NgramConfig.k must be >= 1, got {self.k}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
