@@ -152,9 +152,12 @@ class OutputProcessor:
         it may start earlier."""
         p = seq.params
         text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=p.skip_special_tokens)
-        start, seq.stop_text_checked = seq.stop_text_checked, len(text)
+        old, seq.stop_text_checked = seq.stop_text_checked, text
         if seq.num_output_tokens <= p.min_tokens:
             return False
+        # new text starts where the two decodes part (a token completing a multi-byte character can
+        # change the characters decoded before it)
+        start = len(old) if text.startswith(old) else _common_prefix_length(old, text)
         hits = [(i, s) for s in p.stop if (i := text.find(s, max(0, start - len(s) + 1))) >= 0]
         if not hits:
             return False
@@ -191,3 +194,14 @@ class OutputProcessor:
                              prompt_token_ids=first.token_ids[:first.num_prompt_tokens],
                              prompt_logprobs=prompt_logprobs,
                              outputs=[self.completion(s, policy_version) for s in seqs])
+
+
+def _common_prefix_length(a: str, b: str) -> int:
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:  # binary search on slices: comparisons run in C
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -37,7 +37,7 @@ class Sequence:
         self.prompt_top: list[tuple[list[int], list[float]]] = []
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
-        self.stop_text_checked = 0  # characters of the output text already searched for stop strings
+        self.stop_text_checked = ""  # the output text as last searched for stop strings
         self.stop_text_at: int | None = None  # where the stop string that ended it starts in the output text
         self.num_preemptions = 0
         self.tokens_per_draft_step: float | None = None  # speculative decoding: EMA of tokens emitted per verification

@@ -18,6 +18,8 @@ import pytest
 from flax import nnx
 
 from rollout.engine import Engine
+from rollout.output_processor import OutputProcessor
+from rollout.sequence import Sequence
 from rollout.outputs import RolloutBatch
 from rollout.sampling_params import SamplingParams
 from runner.compile_counter import num_compilations
@@ -418,6 +420,23 @@ def test_stop_strings_in_the_first_min_tokens_do_not_count(engine: Engine, ref: 
     assert c.token_ids == greedy[:b + 1]
     assert c.finish_reason == "stop" and c.stop_reason == stop
     assert c.text == text[:b]
+
+
+def test_a_stop_string_completed_by_a_multi_byte_character_is_seen() -> None:
+    """A token that completes a UTF-8 character changes the text decoded before it (U+FFFD -> the
+    character): the stop-string search starts where the decodes part, not at the old length."""
+
+    class Utf8Bytes:  # one token per byte
+        def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    processor = OutputProcessor(None, Utf8Bytes(), eos_token_ids=(), max_model_len=64)  # type: ignore[arg-type]
+    seq = Sequence(0, 0, 0, [ord("x")], SamplingParams(stop=["é"], max_tokens=10), seed=0, arrival=0)
+    finished = []
+    for token in [ord("a"), *"é".encode()]:
+        seq.token_ids.append(token)
+        finished.append(processor._check_stop(seq, token))
+    assert finished == [False, False, True] and seq.stop_reason == "é" and seq.stop_text_at == 1
 
 
 def test_prompt_close_to_max_model_len_finishes_with_length(engine: Engine, ref: Reference) -> None:
