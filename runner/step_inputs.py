@@ -170,9 +170,11 @@ def split_replicas(b: StepBatch, num_replicas: int, blocks_per_replica: int
     return parts
 
 
-def pad_replicas(b: StepBatch, buckets: BucketConfig, block_size: int, num_replicas: int, blocks_per_replica: int
-                 ) -> tuple[DeviceBatch, ReplicaLayout]:
-    """Split `b` over replicas, pad every part to one bucket shape and stack them (pure numpy)."""
+def pad_replicas(b: StepBatch, buckets: BucketConfig, block_size: int, num_replicas: int, blocks_per_replica: int,
+                 *, vmapped: bool | None = None) -> tuple[DeviceBatch, ReplicaLayout]:
+    """Split `b` over replicas, pad every part to one bucket shape and stack them (pure numpy).
+    `vmapped`: the program maps over replicas (default: several of them; a mesh maps even one), where
+    `trim_rows` stays off: under vmap its `lax.switch` would run every branch."""
     parts = split_replicas(b, num_replicas, blocks_per_replica)
     most_seqs = max(1, max(len(p.q_lens) for p, _, _ in parts))
     most_tokens = max(1, max(len(p.token_ids) for p, _, _ in parts))
@@ -190,7 +192,7 @@ def pad_replicas(b: StepBatch, buckets: BucketConfig, block_size: int, num_repli
         rows = buckets.prefill_rows(padded_tokens)
         piece_len, num_pieces = buckets.query_block, buckets.prefill_pieces(padded_tokens)
     pages = pick(buckets.page_buckets, max(-(-int(k) // block_size) for k in b.kv_lens))
-    trim = b.logits_indices is not None and num_replicas == 1  # verification on one replica (no vmap)
+    trim = b.logits_indices is not None and not (num_replicas > 1 if vmapped is None else vmapped)
     shape = _Shape(padded_tokens, rows, piece_len, num_pieces, pages, block_size, blocks_per_replica, trim)
     padded = [_pad_one(p, shape) for p, _, _ in parts]
     stacked = jax.tree.map(lambda *xs: np.stack(xs), *padded)

@@ -320,11 +320,16 @@ def test_n8_with_prefix_caching_equals_separate_requests(engine: Engine, ref: Re
     assert [o.outputs[0].token_ids for o in separate] == [expected] * 8
 
 
-def test_shared_preamble_cascade_logprobs_match_full_forward(engine: Engine, ref: Reference,
+@pytest.mark.parametrize("backend", ["jax", "auto"])
+def test_shared_preamble_cascade_logprobs_match_full_forward(model, ref: Reference, backend: str,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """Prompts sharing a 70-token preamble: their common cached pages are attended once per step for
-    the whole batch (cascade), and every sampled logprob still equals the full forward's."""
+    the whole batch (cascade: the pure-JAX path; "auto" takes the C++ kernel on AVX-512 CPUs, which
+    reads each sequence's pages), and every sampled logprob still equals the full forward's."""
     import runner.step_inputs
+
+    engine = Engine.from_model(model, ByteTokenizer(), **ENGINE_KW, attention_backend=backend)
+    assert backend == "auto" or engine.stats().attention_impl == "jax"
 
     seen: list[int] = []
     real = runner.step_inputs.num_common_pages

@@ -24,6 +24,7 @@ from rollout.scheduler import ScheduledBatch
 from rollout.speculator import EMA, PROBE_STEPS, Speculator
 from runner.compile_counter import num_compilations
 from runner.spec_decode.ngram import propose_batch, propose_ngram
+from runner.step_inputs import pad_replicas
 from test_engine import ENGINE_KW, MAX_LEN, ByteTokenizer, make_model, rand_prompt
 
 SPEC = NgramConfig(k=4, prompt_lookup_min=1, prompt_lookup_max=3, auto_disable=False)
@@ -287,6 +288,16 @@ def test_warmup_compiles_every_verification_row_count(model) -> None:
         split = 1 if -(-rows // 2) <= ENGINE_KW["max_num_seqs"] else k
         runner.run(runner.dummy_steps.verify(rows, pages, split, 0))
     assert num_compilations() - before == 0
+
+
+def test_verification_rows_are_trimmed_only_without_vmap(model) -> None:
+    """`trim_rows` (attend only the rows real sequences use, a `lax.switch`) is off where the program
+    maps over replicas (several, or a mesh): under vmap a switch runs every branch."""
+    runner = Engine.from_model(model, ByteTokenizer(), **ENGINE_KW, speculative=SPEC).runner
+    step = runner.dummy_steps.verify(SPEC.k + 1, runner.buckets.page_buckets[-1], SPEC.k, 0)
+    args = (runner.buckets, runner.kv_spec.block_size, 1, runner.kv_spec.blocks_per_replica)
+    assert pad_replicas(step, *args)[0].md.trim_rows
+    assert not pad_replicas(step, *args, vmapped=True)[0].md.trim_rows
 
 
 def test_auto_disable_on_unhelpful_drafts(model) -> None:
