@@ -112,6 +112,27 @@ def test_load_places_each_tensor_sharded(tmp_path) -> None:
                                np.asarray(reference(ids, np.arange(10)[None])), atol=1e-5)
 
 
+@pytest.mark.parametrize("mesh", [(2, 1), (4, 1)], ids=str)
+def test_data_parallel_sampling_equals_single_device(setup: tuple, mesh: tuple[int, int]) -> None:
+    """Replicas get their rows' own seeds, sample indices, filters, masked ids and logprob requests:
+    seeded T=1 with top-p, n=3 per prompt (siblings on their prompt's replica), `min_tokens` masking a
+    stop id, top-2 alternatives and prompt logprobs equal the single-device engine's."""
+    model, prompts, _ = setup
+    sp = [SamplingParams(n=3, temperature=1.0, top_p=0.9, seed=11 + i, max_tokens=10, min_tokens=4,
+                         stop_token_ids=[7], logprobs=2, prompt_logprobs=1) for i in range(len(prompts))]
+    ref = Engine.from_model(model, IdTokenizer(), **KW).generate(prompts, sp)
+    outs = Engine.from_model(model, IdTokenizer(), mesh=mesh, **KW).generate(prompts, sp)
+    for a, b in zip(outs, ref):
+        np.testing.assert_allclose([t.logprob for t in a.prompt_logprobs[1:]], [t.logprob for t in b.prompt_logprobs[1:]],
+                                   atol=1e-5)
+        assert len(a.outputs) == 3
+        for ca, cb in zip(a.outputs, b.outputs):
+            assert ca.token_ids == cb.token_ids and 7 not in ca.token_ids[:4]
+            np.testing.assert_allclose([t.logprob for t in ca.logprobs], [t.logprob for t in cb.logprobs], atol=1e-5)
+            assert [sorted(t.top) for t in ca.logprobs] == [sorted(t.top) for t in cb.logprobs]
+    assert len({tuple(c.token_ids) for o in ref for c in o.outputs}) > len(prompts)  # samples differ
+
+
 def test_filtered_sampling_with_vocab_sharded_logits() -> None:
     """top-k/top-p over logits sharded by vocabulary (this once crashed XLA's SPMD partitioner): every
     row at top_k <= 64 (the best-blocks path, vocabulary large enough for it), then a row at top_k = 100
