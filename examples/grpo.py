@@ -142,11 +142,13 @@ class Trainer:
 
         self.train_step = train_step
 
-    def sampling_params(self, step: int) -> SamplingParams:
+    def sampling_params(self, step: int, num_prompts: int) -> list[SamplingParams]:
+        """One per prompt, each with its own seed: a request's noise is keyed by (seed, sample, position),
+        so one seed shared by the step's prompts would give sample i of every group the same draws."""
         cfg = self.cfg
-        return SamplingParams(n=cfg.group_size, temperature=cfg.temperature, max_tokens=cfg.max_tokens, logprobs=0,
-                              logprobs_mode="raw" if cfg.temperature == 1.0 else "processed",
-                              seed=(cfg.seed * 1_000_003 + step) % 2**32)
+        return [SamplingParams(n=cfg.group_size, temperature=cfg.temperature, max_tokens=cfg.max_tokens, logprobs=0,
+                               logprobs_mode="raw" if cfg.temperature == 1.0 else "processed",
+                               seed=((cfg.seed * 1_000_003 + step) * 10_007 + j) % 2**32) for j in range(num_prompts)]
 
     def step(self, step: int) -> StepLog:
         cfg = self.cfg
@@ -154,7 +156,7 @@ class Trainer:
         prompts = [rl.build_prompt(self.tokenizer, p) for p in problems]
 
         t0 = time.perf_counter()
-        batch = self.engine.rollout(prompts, self.sampling_params(step))
+        batch = self.engine.rollout(prompts, self.sampling_params(step, len(prompts)))
         rollout_s = time.perf_counter() - t0
 
         texts = [self.tokenizer.decode(ids[:n].tolist()) for ids, n in zip(batch.completion_ids, batch.completion_lens)]
