@@ -28,7 +28,7 @@ from runner.spec_decode.eagle3_checkpoint import init_eagle3_head, load_eagle3_h
 from runner.spec_decode.eagle3_train import eagle3_loss, pack_sequences, target_features, target_to_draft
 from weight_sync import WeightSyncError
 from test_engine import CFG, ENGINE_KW, MAX_LEN, ByteTokenizer, make_model, rand_prompt
-from test_spec_decode import CASES, assert_same
+from test_spec_decode import CASES, assert_same, assert_same_distributions, assert_target_logprobs
 
 K = 3
 DRAFT_VOCAB = np.arange(2, 98)[::-1].copy()  # 96 of the 128 ids, reordered: d2t offsets are not trivial
@@ -87,6 +87,23 @@ def trained_head_dir(model, plain, tmp_path_factory) -> str:
     path = str(tmp_path_factory.mktemp("eagle3_trained"))
     save_eagle3_head(train_head(model, plain, DRAFT_VOCAB), path)
     return path
+
+
+def test_rejection_mode_samples_the_target_distribution(model, plain: Engine, trained_head_dir) -> None:
+    """EAGLE-3 with rejection sampling at T=1 and top-p (drafts made on the device, accepted with
+    probability min(1, p/q)): at every position the tokens of 400 samples come from plain decoding's
+    distribution (chi-square homogeneity), drafts get accepted, and the logprobs are the target's."""
+    rejection = Engine.from_model(model, ByteTokenizer(), **ENGINE_KW, speculative=Eagle3Config(
+        trained_head_dir, k=K, auto_disable=False, verification="rejection"))
+    start = prompts_for(61, 1)[0]
+    lead = plain.generate([start], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
+    prompt = start + list(lead.outputs[0].token_ids)  # the head was trained on such greedy continuations
+    sp = SamplingParams(n=400, temperature=1.0, top_p=0.95, seed=9, max_tokens=4, logprobs=0, ignore_eos=True)
+    got = rejection.generate([prompt], sp)[0].outputs
+    want = plain.generate([prompt], sp)[0].outputs
+    assert rejection.stats().speculative.accepted_tokens >= 50
+    assert_same_distributions(got, want, range(1, 4))
+    assert_target_logprobs(plain, prompt, got[:5])
 
 
 @pytest.fixture(scope="module")

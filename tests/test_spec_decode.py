@@ -442,8 +442,6 @@ def test_rejection_mode_samples_the_target_distribution(plain: Engine, rejection
     logprob of the same token after the same prefix). The prompt ends with the model's own greedy
     continuation, which falls into a cycle: n-gram drafts then propose tokens the model likes, so
     hundreds get accepted whatever the seed (after a random prompt alone, a handful, by luck)."""
-    from scipy import stats as scipy_stats
-
     start = repetitive_prompts(43, 1)[0]
     cycle = plain.generate([start], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))[0]
     prompt = start + list(cycle.outputs[0].token_ids)
@@ -452,8 +450,17 @@ def test_rejection_mode_samples_the_target_distribution(plain: Engine, rejection
     got = rejection.generate([prompt], sp)[0].outputs
     want = plain.generate([prompt], sp)[0].outputs
     assert rejection.stats().speculative.accepted_tokens >= before + 50
+    assert_same_distributions(got, want, range(1, 4))
+    assert_target_logprobs(plain, prompt, got[:5])
+
+
+def assert_same_distributions(got: list, want: list, positions: range, min_compared: int = 6) -> None:
+    """At each position, the tokens of samples `got` and `want` come from one distribution (chi-square
+    homogeneity; tokens seen fewer than 10 times pooled)."""
+    from scipy import stats as scipy_stats
+
     compared = 0
-    for pos in range(1, 4):
+    for pos in positions:
         a = np.array([c.token_ids[pos] for c in got])
         b = np.array([c.token_ids[pos] for c in want])
         values = np.union1d(a, b)
@@ -464,11 +471,14 @@ def test_rejection_mode_samples_the_target_distribution(plain: Engine, rejection
         if table.shape[1] > 1:
             assert scipy_stats.chi2_contingency(table).pvalue > 1e-3, (pos, table)
             compared += table.shape[1]
-    assert compared >= 6, "the prompt's continuations are too deterministic to test anything"
-    # logprobs: a plain engine scoring the same continuation gives the same per-token logprobs
-    for c in got[:5]:
+    assert compared >= min_compared, "the prompt's continuations are too deterministic to test anything"
+
+
+def assert_target_logprobs(plain: Engine, prompt: list[int], outputs: list) -> None:
+    """A plain engine scoring each completion (prompt logprobs) gives the logprobs reported with it."""
+    for c in outputs:
         forced = plain.generate([prompt + c.token_ids[:-1]], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
         scored = forced.prompt_logprobs[len(prompt):]  # logprob of c.token_ids[i] after prompt + c.token_ids[:i]
-        assert len(scored) == 3
+        assert len(scored) == len(c.token_ids) - 1
         for i, lp in enumerate(scored):
             assert lp.token_id == c.token_ids[i] and close(lp.logprob, c.logprobs[i].logprob)
