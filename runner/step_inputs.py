@@ -129,10 +129,11 @@ class ReplicaLayout:
 
 
 def sampler_mode(b: StepBatch) -> int:
-    if np.all(b.temperature == 0) and not np.any(b.processed):
-        return SAMPLER_MODES.index("greedy")
-    filtering = np.any((b.top_k > 0) | (b.top_p < 1.0) | (b.min_p > 0.0))
-    return SAMPLER_MODES.index("filtered" if filtering else "random")
+    """The step's sampler mode (`runner.sampler.choose_mode`: filters count only in rows that sample or
+    want processed logprobs)."""
+    from runner.sampler import choose_mode  # runner.sampler imports this module
+
+    return SAMPLER_MODES.index(choose_mode(b.temperature, b.top_k, b.top_p, b.min_p, processed=b.processed))
 
 
 def split_replicas(b: StepBatch, num_replicas: int, blocks_per_replica: int

@@ -370,6 +370,20 @@ def test_choose_mode() -> None:
     assert choose_mode(z, np.full(3, 5), o, z, processed=np.zeros(3, bool)) == "greedy"
 
 
+def test_the_engine_steps_take_choose_mode() -> None:
+    """`step_inputs.sampler_mode` (what a step runs) is `choose_mode` with each row's logprobs mode: a
+    greedy row's top-k does not make a batch that samples only without filters "filtered"."""
+    from types import SimpleNamespace
+
+    from runner.step_inputs import SAMPLER_MODES, sampler_mode
+
+    rows = dict(temperature=np.array([1.0, 0.0], np.float32), top_k=np.array([0, 50], np.int32),
+                top_p=np.ones(2, np.float32), min_p=np.zeros(2, np.float32))
+    for processed, want in (([False, False], "random"), ([False, True], "filtered")):
+        step = SimpleNamespace(**rows, processed=np.array(processed))
+        assert SAMPLER_MODES[sampler_mode(step)] == want == choose_mode(**rows, processed=np.array(processed))
+
+
 def test_unknown_mode_raises(small_logits: np.ndarray) -> None:
     with pytest.raises(ValueError):
         sample(jnp.asarray(small_logits)[None], make_inputs(1), mode="nucleus")
