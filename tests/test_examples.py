@@ -51,7 +51,8 @@ def _check_pack_alignment(trainer: grpo.Trainer) -> None:
     """`pack`'s gathered positions / targets agree with the RolloutBatch's loss_mask alignment."""
     problems = rl.make_problems(np.random.default_rng(0), 3)
     batch = trainer.engine.rollout([rl.build_prompt(trainer.tokenizer, p) for p in problems],
-                                   trainer.sampling_params(0))
+                                   trainer.sampling_params(0, len(problems)))
+    assert len({sp.seed for sp in trainer.sampling_params(0, 3)}) == 3  # each prompt its own noise
     c = trainer.cfg.max_tokens
     p = rl.pack(batch, np.zeros(len(batch.group_ids)), trainer.seq_len, c)
     for b in range(len(batch.group_ids)):
