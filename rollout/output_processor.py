@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from rollout.outputs import CompletionOutput, RequestOutput, TokenLogprob
@@ -151,10 +153,13 @@ class OutputProcessor:
         in the text of a token after the first `min_tokens` (where stop ids and EOS are masked), though
         it may start earlier."""
         p = seq.params
-        text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=p.skip_special_tokens)
-        old, seq.stop_text_checked = seq.stop_text_checked, text
         if seq.num_output_tokens <= p.min_tokens:
             return False
+        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=p.skip_special_tokens)
+        text = decode(seq.output_ids)
+        # the first search: the text before this token was never searched (min_tokens)
+        old = seq.stop_text_checked if seq.num_output_tokens > p.min_tokens + 1 else decode(seq.output_ids[:-1])
+        seq.stop_text_checked = text
         # new text starts where the two decodes part (a token completing a multi-byte character can
         # change the characters decoded before it)
         start = len(old) if text.startswith(old) else _common_prefix_length(old, text)

@@ -151,7 +151,7 @@ class ModelRunner:
         """Pad (per replica), run one compiled step, and return the sampled tokens in the batch's order."""
         spec = self.kv_spec
         padded, layout = pad_replicas(batch, self.buckets, spec.block_size, spec.num_replicas, spec.blocks_per_replica,
-                                      vmapped=spec.num_replicas > 1 or self.mesh.size > 1)
+                                      on_mesh=self.mesh.size > 1)
         if self.attention_impl != "jax":
             padded = dataclasses.replace(padded, md=dataclasses.replace(padded.md, impl=self.attention_impl))
         if self.mesh.size == 1:  # numpy straight into the call(s): cheaper than a device_put of ~20 small arrays

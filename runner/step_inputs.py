@@ -172,9 +172,9 @@ def split_replicas(b: StepBatch, num_replicas: int, blocks_per_replica: int
 
 
 def pad_replicas(b: StepBatch, buckets: BucketConfig, block_size: int, num_replicas: int, blocks_per_replica: int,
-                 *, vmapped: bool | None = None) -> tuple[DeviceBatch, ReplicaLayout]:
+                 *, on_mesh: bool = False) -> tuple[DeviceBatch, ReplicaLayout]:
     """Split `b` over replicas, pad every part to one bucket shape and stack them (pure numpy).
-    `vmapped`: the program maps over replicas (default: several of them; a mesh maps even one), where
+    Where the program maps over replicas (several of them, or `on_mesh`: a mesh maps even one)
     `trim_rows` stays off: under vmap its `lax.switch` would run every branch."""
     parts = split_replicas(b, num_replicas, blocks_per_replica)
     most_seqs = max(1, max(len(p.q_lens) for p, _, _ in parts))
@@ -193,7 +193,7 @@ def pad_replicas(b: StepBatch, buckets: BucketConfig, block_size: int, num_repli
         rows = buckets.prefill_rows(padded_tokens)
         piece_len, num_pieces = buckets.query_block, buckets.prefill_pieces(padded_tokens)
     pages = pick(buckets.page_buckets, max(-(-int(k) // block_size) for k in b.kv_lens))
-    trim = b.logits_indices is not None and not (num_replicas > 1 if vmapped is None else vmapped)
+    trim = b.logits_indices is not None and num_replicas == 1 and not on_mesh
     shape = _Shape(padded_tokens, rows, piece_len, num_pieces, pages, block_size, blocks_per_replica, trim)
     padded = [_pad_one(p, shape) for p, _, _ in parts]
     stacked = jax.tree.map(lambda *xs: np.stack(xs), *padded)

@@ -297,7 +297,7 @@ def test_verification_rows_are_trimmed_only_without_vmap(model) -> None:
     step = runner.dummy_steps.verify(SPEC.k + 1, runner.buckets.page_buckets[-1], SPEC.k, 0)
     args = (runner.buckets, runner.kv_spec.block_size, 1, runner.kv_spec.blocks_per_replica)
     assert pad_replicas(step, *args)[0].md.trim_rows
-    assert not pad_replicas(step, *args, vmapped=True)[0].md.trim_rows
+    assert not pad_replicas(step, *args, on_mesh=True)[0].md.trim_rows
 
 
 def test_auto_disable_on_unhelpful_drafts(model) -> None:
