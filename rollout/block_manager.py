@@ -26,6 +26,7 @@ class Block:
         self.ref_count = 0
         self.hash: int | None = None
         self.token_ids: tuple[int, ...] = ()
+        self.stale = False  # K/V from weights replaced since (held by a running sequence): never published
 
 
 def chain_hash(prev: int | None, token_ids: tuple[int, ...]) -> int:
@@ -78,7 +79,7 @@ class BlockManager:
         key = (replica, block.hash)
         if block.hash is not None and self.hash_to_block.get(key) == block.block_id:
             del self.hash_to_block[key]
-        block.hash, block.token_ids, block.ref_count = None, (), 1
+        block.hash, block.token_ids, block.ref_count, block.stale = None, (), 1, False
         return block
 
     def _cached_prefix(self, seq: Sequence, replica: int | None = None) -> list[int]:
@@ -155,12 +156,14 @@ class BlockManager:
             ids = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
             prev = chain_hash(prev, ids)
             block = self.blocks[seq.block_table[i]]
-            if block.hash is None:
+            if block.hash is None and not block.stale:
                 block.hash, block.token_ids = prev, ids
                 self.hash_to_block.setdefault((seq.replica, prev), block.block_id)
 
     def invalidate_prefix_cache(self) -> None:
-        """Forget every cached prefix (after a weight update its K/V is stale)."""
+        """Forget every cached prefix (after a weight update its K/V is stale); blocks that running
+        sequences hold are never published again (their K/V came from the old weights)."""
         self.hash_to_block.clear()
         for block in self.blocks:
             block.hash, block.token_ids = None, ()
+            block.stale = block.ref_count > 0

@@ -1,4 +1,4 @@
-"""After a step: append sampled tokens and logprobs, apply stop rules, assemble `RequestOutput`s."""
+"""After a step: append sampled tokens, logprobs and policy versions to sequences, apply stop rules."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import functools
 
 import numpy as np
 
-from rollout.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from rollout.scheduler import ScheduledBatch, Scheduler
 from rollout.sequence import Sequence
 from rollout.tokenizer import Tokenizer
@@ -14,7 +13,7 @@ from runner.model_runner import StepResult
 
 
 class OutputProcessor:
-    """Turns step results into sequence state and finished sequences into outputs."""
+    """Turns step results into sequence state."""
 
     def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer, eos_token_ids: tuple[int, ...],
                  max_model_len: int) -> None:
@@ -22,6 +21,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
+        self.policy_version: int | None = None  # recorded with every token appended
 
     def process(self, batch: ScheduledBatch, result: StepResult) -> list[Sequence]:
         """Apply one step's results; returns the sequences that finished."""
@@ -114,6 +114,7 @@ class OutputProcessor:
             self.scheduler.mark_prefilled(seq)
         token = int(result.token_ids[row])
         seq.token_ids.append(token)
+        seq.output_versions.append(self.policy_version)
         if seq.params.logprobs is not None:
             seq.output_logprobs.append(float(result.logprobs[row]))
             k = seq.params.logprobs  # the step returns the batch's largest k
@@ -169,36 +170,6 @@ class OutputProcessor:
         seq.stop_text_at, hit = min(hits)
         seq.finish_reason, seq.stop_reason = "stop", hit
         return True
-
-    def completion(self, seq: Sequence, policy_version: int | None) -> CompletionOutput:
-        p = seq.params
-        text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=p.skip_special_tokens)
-        if isinstance(seq.stop_reason, str) and seq.stop_text_at is not None:
-            text = text[:seq.stop_text_at]
-        logprobs = None
-        cumulative = None
-        if p.logprobs is not None:
-            logprobs = [TokenLogprob(t, lp, dict(zip(ids, lps)))
-                        for t, lp, (ids, lps) in zip(seq.output_ids, seq.output_logprobs, seq.output_top)]
-            cumulative = float(sum(seq.output_logprobs))
-        return CompletionOutput(index=seq.sample_index, token_ids=list(seq.output_ids), text=text,
-                                logprobs=logprobs, cumulative_logprob=cumulative,
-                                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-                                policy_version=policy_version)
-
-    def request_output(self, request_id: int, prompt: str | None, seqs: list[Sequence],
-                       policy_version: int | None) -> RequestOutput:
-        first = seqs[0]
-        prompt_logprobs = None
-        if first.params.prompt_logprobs is not None:
-            prompt_logprobs = [None] + [
-                TokenLogprob(t, lp, dict(zip(ids, lps)))
-                for t, lp, (ids, lps) in zip(first.token_ids[1:first.num_prompt_tokens], first.prompt_logprobs,
-                                             first.prompt_top)]
-        return RequestOutput(request_id=request_id, prompt=prompt,
-                             prompt_token_ids=first.token_ids[:first.num_prompt_tokens],
-                             prompt_logprobs=prompt_logprobs,
-                             outputs=[self.completion(s, policy_version) for s in seqs])
 
 
 def _common_prefix_length(a: str, b: str) -> int:

@@ -8,7 +8,7 @@ from typing import Literal
 import numpy as np
 from jaxtyping import Bool, Float, Int
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "abort"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,15 +30,18 @@ class CompletionOutput:
     logprobs: list[TokenLogprob] | None
     cumulative_logprob: float | None
     finish_reason: FinishReason | None
-    stop_reason: int | str | None  # the stop token id or stop string that ended it, None for EOS/length
-    policy_version: int | None = None  # `sync_weights(version=...)` in force when it was sampled
+    stop_reason: int | str | None  # the stop token id or stop string that ended it, None for EOS/length/abort
+    policy_version: int | None = None  # the policy version (`sync_weights(version=...)`) that sampled its last token
+    # per token of `token_ids`: the policy version that sampled it (weights may change between engine steps)
+    policy_versions: list[int | None] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
 class RequestOutput:
-    """One prompt and its n completions."""
+    """One prompt and its n completions (from `Engine.step`: all so far, or the part since the last
+    output with `output_kind="delta"`; `finished` marks a request's last output)."""
 
-    request_id: int
+    request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     prompt_logprobs: list[TokenLogprob | None] | None  # first position has no logprob (None)
@@ -69,4 +72,6 @@ class RolloutBatch:
     logprobs: Float[np.ndarray, "B T-1"]  # aligned with loss_mask
     finish_reasons: tuple[str, ...]
     policy_version: int | None
+    # the policy version that sampled each completion token (-1: none recorded, or padding)
+    completion_policy_versions: Int[np.ndarray, "B C"]
     pad_id: int

@@ -24,6 +24,7 @@ def build_rollout_batch(outputs: list[RequestOutput], *, pad_id: int, policy_ver
     logprobs = np.zeros((num, total - 1), np.float32)
     prompt_lens = np.zeros(num, np.int32)
     completion_lens = np.zeros(num, np.int32)
+    versions = np.full((num, max_completion), -1, np.int32)
     for r, (_, prompt, c) in enumerate(rows):
         p, n = len(prompt), len(c.token_ids)
         prompt_lens[r], completion_lens[r] = p, n
@@ -34,6 +35,7 @@ def build_rollout_batch(outputs: list[RequestOutput], *, pad_id: int, policy_ver
         input_ids[r, p:p + n] = c.token_ids
         attention_mask[r, :p + n] = 1
         loss_mask[r, p - 1:p - 1 + n] = 1.0
+        versions[r, :len(c.policy_versions)] = [-1 if v is None else v for v in c.policy_versions]
         if c.logprobs is not None:
             lp = np.array([t.logprob for t in c.logprobs], np.float32)
             completion_logprobs[r, :n] = lp
@@ -45,4 +47,4 @@ def build_rollout_batch(outputs: list[RequestOutput], *, pad_id: int, policy_ver
         group_ids=np.array([g for g, _, _ in rows], np.int32), input_ids=input_ids, positions=positions,
         attention_mask=attention_mask, loss_mask=loss_mask, logprobs=logprobs,
         finish_reasons=tuple(c.finish_reason or "" for _, _, c in rows), policy_version=policy_version,
-        pad_id=pad_id)
+        completion_policy_versions=versions, pad_id=pad_id)

@@ -7,6 +7,7 @@ import math
 from typing import Literal
 
 LogprobsMode = Literal["raw", "processed"]
+OutputKind = Literal["cumulative", "delta", "final_only"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,7 +18,10 @@ class SamplingParams:
     k most likely alternatives (k may be 0). `logprobs_mode="raw"` is the log-softmax of the model's
     logits (what a trainer's plain forward computes); `"processed"` is the log-probability under the
     distribution actually sampled from (after temperature, top-k, top-p, min-p; greedy requests use
-    temperature 1 there). `seed=None` draws a seed from the engine's generator.
+    temperature 1 there). `seed=None` draws a seed from the engine's generator. `output_kind` (vLLM's
+    `RequestOutputKind`) is what `Engine.step` reports for the request: everything so far
+    ("cumulative"), what is new since its last output ("delta", for streaming), or only the final
+    output ("final_only", what `generate` uses).
     """
 
     n: int = 1
@@ -35,6 +39,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logprobs_mode: LogprobsMode = "raw"
     skip_special_tokens: bool = True
+    output_kind: OutputKind = "cumulative"
 
     def __post_init__(self) -> None:
         def fail(msg: str) -> None:
@@ -64,6 +69,8 @@ class SamplingParams:
                 fail(f"{name} must be None or an integer >= 0, got {value!r}")
         if self.logprobs_mode not in ("raw", "processed"):
             fail(f"logprobs_mode must be 'raw' or 'processed', got {self.logprobs_mode!r}")
+        if self.output_kind not in ("cumulative", "delta", "final_only"):
+            fail(f"output_kind must be 'cumulative', 'delta' or 'final_only', got {self.output_kind!r}")
         stop = self.stop
         stop = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
         if any(not isinstance(s, str) or not s for s in stop):

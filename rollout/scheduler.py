@@ -67,7 +67,7 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self._prefilled_requests: set[int] = set()
+        self._prefilled_requests: set[str | int] = set()
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -160,13 +160,15 @@ class Scheduler:
         kept = [i for i, s in enumerate(scheduled) if s.status == SequenceStatus.RUNNING]
         return ScheduledBatch(False, [scheduled[i] for i in kept], [steps[i] for i in kept])
 
-    def preempt(self, seq: Sequence) -> None:
-        """Free a running sequence's blocks and put it back at the head of the queue."""
+    def preempt(self, seq: Sequence, *, count: bool = True) -> None:
+        """Free a running sequence's blocks and put it back at the head of the queue (its tokens so far
+        are recomputed when it is admitted again). `count`: a preemption for lack of memory (counted)."""
         self.running.remove(seq)
         self.block_manager.deallocate(seq)
         seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
+        if count:
+            seq.num_preemptions += 1
+            self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
     def mark_prefilled(self, seq: Sequence) -> None:
@@ -187,5 +189,5 @@ class Scheduler:
                 self.waiting.remove(seq)
                 seq.status = SequenceStatus.FINISHED
 
-    def forget_request(self, request_id: int) -> None:
+    def forget_request(self, request_id: str | int) -> None:
         self._prefilled_requests.discard(request_id)

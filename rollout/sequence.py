@@ -16,7 +16,7 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """Token ids (prompt + output so far), KV bookkeeping and the per-token results of one sample."""
 
-    def __init__(self, seq_id: int, request_id: int, sample_index: int, prompt_ids: list[int],
+    def __init__(self, seq_id: int, request_id: str | int, sample_index: int, prompt_ids: list[int],
                  params: SamplingParams, seed: int, arrival: int) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
@@ -31,6 +31,8 @@ class Sequence:
         self.block_table: list[int] = []
         self.replica = 0  # data-parallel replica whose KV blocks it holds (set on admission)
         self.status = SequenceStatus.WAITING
+        self.output_versions: list[int | None] = []  # policy version that sampled each output token
+        self.admitted_version: int | None = None  # policy version in force when it was added
         self.output_logprobs: list[float] = []
         self.output_top: list[tuple[list[int], list[float]]] = []
         self.prompt_logprobs: list[float] = []  # logprob of prompt token i+1 given tokens <= i

@@ -538,12 +538,12 @@ def test_bad_input_raises_before_any_state_change(engine: Engine) -> None:
     ]
     bad_calls += [([good], SamplingParams(stop_token_ids=[VOCAB])), ([good], SamplingParams(stop_token_ids=[2**40]))]
     for prompts, params in bad_calls:
-        state = (engine._next_id, engine.stats_.num_sequences, len(engine.scheduler.waiting),
+        state = (len(engine.requests), engine.stats_.num_sequences, len(engine.scheduler.waiting),
                  engine.block_manager.num_free_blocks)
         with pytest.raises(ValueError):
             engine.generate(prompts, params)
         assert not engine.scheduler.has_unfinished()
-        assert (engine._next_id, engine.stats_.num_sequences, len(engine.scheduler.waiting),
+        assert (len(engine.requests), engine.stats_.num_sequences, len(engine.scheduler.waiting),
                 engine.block_manager.num_free_blocks) == state, prompts
     assert engine.generate([good], sp)[0].outputs[0].token_ids == expected
     assert engine.generate(ByteTokenizer().decode(good), sp)[0].outputs[0].token_ids == expected

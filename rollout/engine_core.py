@@ -1,0 +1,240 @@
+"""`EngineCore`: the engine's request table and its step (schedule -> run -> postprocess).
+
+The core owns requests, not calls: `add_request` queues one (validated first), `step` advances every
+queued and running request by one device call and reports the requests that changed, `abort` ends
+requests at once (their KV blocks freed), and `sync_weights` may run between any two steps. Every
+generated token records the policy version that sampled it. `Engine` (rollout/engine.py) builds the
+core and adds the blocking clients `generate` / `rollout` over this API.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Iterable
+
+import numpy as np
+
+from rollout.block_manager import BlockManager
+from rollout.engine_config import EngineConfig, EngineStats
+from rollout.output_processor import OutputProcessor
+from rollout.outputs import RequestOutput
+from rollout.policy_sync import WeightUpdater
+from rollout.request import Request, request_output
+from rollout.request_validation import Prompt, RequestLimits, prompt_token_ids
+from rollout.sampling_params import SamplingParams
+from rollout.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from rollout.sequence import Sequence
+from rollout.speculator import Speculator
+from rollout.step_builder import build_step
+from rollout.tokenizer import Tokenizer
+from runner.model_runner import MAX_SUPPRESS, ModelRunner
+from runner.spec_decode.eagle3_config import Eagle3Config
+
+
+class EngineCore:
+    """A request table over the scheduler, the KV block manager and the model runner."""
+
+    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, config: EngineConfig,
+                 eos_token_ids: tuple[int, ...]) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.config = config
+        self.eos_token_ids = eos_token_ids
+        spec, kv_spec = config.speculative, runner.kv_spec
+        self._limits = RequestLimits(runner.config.vocab_size, config.max_model_len, config.max_logprobs,
+                                     eos_token_ids, MAX_SUPPRESS)
+        self.block_manager = BlockManager(kv_spec.num_blocks, kv_spec.block_size, num_replicas=kv_spec.num_replicas,
+                                          enable_prefix_caching=config.enable_prefix_caching)
+        self.speculator = None if spec is None else Speculator(
+            spec, config.max_model_len, config.max_num_batched_tokens,
+            draft_fn=_device_draft_slots if runner.drafter is not None else None)
+        self._rejection = spec is not None and spec.verification == "rejection"
+        verify_steps = spec.num_verify_steps if isinstance(spec, Eagle3Config) else 1
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                                   config.max_model_len,
+                                                   decode_steps=(1 + (spec.k if spec else 0)) * verify_steps,
+                                                   num_replicas=kv_spec.num_replicas,
+                                                   num_scheduler_steps=config.num_scheduler_steps),
+                                   self.block_manager)
+        self.outputs = OutputProcessor(self.scheduler, tokenizer, eos_token_ids, config.max_model_len)
+        self.rng = np.random.default_rng(config.seed)
+        self.weights = WeightUpdater(runner)
+        self.stats_ = EngineStats()
+        self.requests: dict[str, Request] = {}  # unfinished requests, and finished ones not yet reported
+        self._deferred: list[RequestOutput] = []  # outputs a blocking client stepped past (see `generate`)
+        self._auto_ids = itertools.count()
+        self._seq_ids = itertools.count()
+
+    @property
+    def policy_version(self) -> int | None:
+        """The version of the weights in force (None until the first `sync_weights`)."""
+        return self.outputs.policy_version
+
+    @policy_version.setter
+    def policy_version(self, version: int | None) -> None:
+        self.outputs.policy_version = version
+
+    # ---- requests -----------------------------------------------------------------------------
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Queue a prompt (text or token ids); returns its request id (made when none is given).
+
+        Raises `ValueError` before anything is queued if the prompt, the params or the id is bad."""
+        params = SamplingParams() if params is None else params
+        ids = prompt_token_ids(prompt, params, self.tokenizer, self._limits)
+        request_id = self._check_request_id(request_id)
+        return self._add(prompt if isinstance(prompt, str) else None, ids, params, request_id)
+
+    def _check_request_id(self, request_id: str | None) -> str:
+        if request_id is None:
+            while (request_id := str(next(self._auto_ids))) in self.requests:
+                pass
+            return request_id
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string or None, got {request_id!r}")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use; abort it or pick another id")
+        return request_id
+
+    def _add(self, prompt: str | None, ids: list[int], sp: SamplingParams, request_id: str) -> str:
+        seed = sp.seed if sp.seed is not None else int(self.rng.integers(0, 2**32))
+        seqs = []
+        for index in range(sp.n):
+            self.stats_.num_sequences += 1
+            seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, sample_index=index, prompt_ids=ids,
+                           params=sp, seed=seed, arrival=self.stats_.num_sequences)
+            seq.admitted_version = self.policy_version
+            self.scheduler.add(seq)
+            seqs.append(seq)
+        self.requests[request_id] = Request(request_id, prompt, sp, seqs)
+        return request_id
+
+    def abort(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
+        """End requests now: their KV blocks are freed and their unfinished samples end with
+        `finish_reason="abort"`. Returns each one's final output (all it produced). Ids that are
+        unknown or already reported finished are ignored (as vLLM)."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        results = []
+        for rid in dict.fromkeys(ids):
+            req = self.requests.pop(rid, None)
+            if req is None:
+                continue
+            unfinished = [s for s in req.seqs if not s.is_finished]
+            self.scheduler.abort(unfinished)
+            for seq in unfinished:
+                seq.finish_reason = "abort"
+            self.scheduler.forget_request(rid)
+            results.append(request_output(dataclasses.replace(req, params=dataclasses.replace(
+                req.params, output_kind="cumulative")), self.tokenizer))
+        return results
+
+    def has_unfinished_requests(self) -> bool:
+        """True while some request is queued or running (its final output not produced yet)."""
+        return self.scheduler.has_unfinished()
+
+    # ---- the step -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One engine step: schedule -> run -> postprocess. Returns an output for each request that
+        changed (as its `output_kind` says); a request's last output has `finished=True`, after which
+        the request is forgotten. A step that raises aborts the requests it had scheduled."""
+        batch = self._execute()
+        touched = dict.fromkeys(s.request_id for s in batch.seqs)
+        results, self._deferred = self._deferred, []
+        for rid in touched:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            out = request_output(req, self.tokenizer)
+            if out is not None:
+                results.append(out)
+            if req.finished:
+                del self.requests[rid]
+                self.scheduler.forget_request(rid)
+        return results
+
+    def _execute(self) -> ScheduledBatch:
+        batch = self.scheduler.schedule()
+        if not batch.seqs:  # nothing to run (no requests): no device call
+            return batch
+        try:
+            start = time.perf_counter()
+            self._run(batch)
+        except BaseException:
+            # the step's blocks were published for prefix sharing when scheduled, maybe never computed
+            self.block_manager.invalidate_prefix_cache()
+            self._deferred += self.abort(dict.fromkeys(s.request_id for s in batch.seqs))
+            raise
+        self.stats_.generate_seconds += time.perf_counter() - start
+        return batch
+
+    def _run(self, batch: ScheduledBatch) -> None:
+        drafts = None
+        start = time.perf_counter()  # a speculative step's time includes drafting (n-gram lookup, EAGLE head)
+        before = sum(s.num_output_tokens for s in batch.seqs)
+        if self.speculator is not None:
+            batch, drafts = self.speculator.propose(batch)
+        result = self.runner.run(build_step(batch, self.eos_token_ids, drafts, rejection=self._rejection,
+                                            multi_step=self.config.num_scheduler_steps > 1,
+                                            device_drafts=self.runner.drafter is not None))
+        if drafts is not None and result.draft_ids is not None and result.steps == 1:  # made on the device: now known
+            drafts = [result.draft_ids[i, :len(d)] for i, d in enumerate(drafts)]
+        steps = float(np.mean(batch.num_new_tokens))
+        if drafts is None:
+            self.outputs.process(batch, result)
+        elif result.steps > 1:  # multi-step verification: every step's drafts come back
+            _, records, num_steps = self.outputs.process_verify_steps(batch, result)
+            for seq, drafted, accepted in records:
+                self.speculator.record_acceptance(seq, drafted, accepted, accepted + 1, self.policy_version)
+            self.speculator.record_verify_steps(num_steps)
+            steps = float(num_steps)
+        else:
+            _, accepted = self.outputs.process_verified(batch, result, drafts)
+            if result.verified:
+                for seq, d, a in zip(batch.seqs, drafts, accepted):
+                    self.speculator.record_acceptance(seq, len(d), a, a + 1, self.policy_version)
+            else:  # the head was unsure: the device decoded this step plainly
+                self.speculator.record_unsure(batch.seqs)
+        if self.speculator is not None and not batch.is_prefill:
+            self.speculator.record_step(len(batch.seqs), drafts is not None, time.perf_counter() - start,
+                                        steps, verified=result.verified)
+        self.stats_.record_step(batch)
+        self.stats_.generated_tokens += sum(s.num_output_tokens for s in batch.seqs) - before
+
+    # ---- weights ------------------------------------------------------------------------------
+    def sync_weights(self, params: object, mapping: str | tuple | list | None = None, *,
+                     version: int | None = None, check_finite: bool = False,
+                     draft_params: object | None = None, draft_mapping: str | tuple | list | None = None,
+                     recompute_running: bool = False) -> None:
+        """Put new policy parameters into the engine in place: no reload, no recompilation. Legal
+        between any two steps, with requests running.
+
+        `params` is the trainer's pytree: an `nnx.State` of this model class (mapping None), HF
+        names and `[out, in]` layouts (mapping "hf"), or any tree with a `weight_sync` rule list.
+        `draft_params`: new EAGLE-3 head weights in the same call (an `nnx.State` of the head, or the
+        published layout with `draft_mapping="eagle3-hf"`); the head's shared embedding / lm_head
+        are the policy's own arrays, so they follow `params` without being passed.
+        Everything is validated first (one error lists every problem, weights untouched). The KV
+        cache allocation is kept; cached prefixes are dropped (their K/V came from old weights).
+        Running requests go on under the new weights: by default they keep the K/V computed so far
+        (PipelineRL's in-flight update); `recompute_running=True` recomputes it under the new weights
+        first (their tokens so far are kept). Tokens sampled from now on record `version` (default:
+        previous version + 1).
+        """
+        plans = self.weights.check(params, mapping, check_finite=check_finite, draft_params=draft_params,
+                                   draft_mapping=draft_mapping)
+        try:
+            self.weights.write(plans, params, draft_params, check_finite=check_finite)
+        finally:  # even a sync that failed part way (device memory) may have changed weights
+            self.block_manager.invalidate_prefix_cache()
+        if recompute_running:
+            for seq in sorted(self.scheduler.running, key=lambda s: -s.arrival):
+                self.scheduler.preempt(seq, count=False)
+        self.policy_version = version if version is not None else (self.policy_version or 0) + 1
+        self.stats_.num_weight_syncs += 1
+
+
+def _device_draft_slots(seqs: list[Sequence], limits: list[int]) -> list[np.ndarray]:
+    """Placeholders for EAGLE-3 drafts (-1, as many as each sequence may take): the head makes them
+    on the device in the verification step's own program (`StepBatch.draft_slots`)."""
+    return [np.full(max(lim, 0), -1, np.int32) for lim in limits]

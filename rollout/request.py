@@ -1,0 +1,95 @@
+"""`Request`: one entry of the engine core's request table (a prompt, its params, its n sequences),
+and how its `RequestOutput`s are assembled: cumulative, as deltas since the last one, or final only.
+Plain Python."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rollout.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from rollout.sampling_params import SamplingParams
+from rollout.sequence import Sequence
+from rollout.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass
+class Request:
+    """What the engine core keeps per request id until its final output has been returned."""
+
+    request_id: str
+    prompt: str | None  # the text, when the request came as text
+    params: SamplingParams
+    seqs: list[Sequence]
+    num_outputs_sent: int = 0
+    # per sample, for delta outputs: tokens and characters of text already sent, and whether its last was
+    num_sent_tokens: list[int] = dataclasses.field(default_factory=list)
+    num_sent_chars: list[int] = dataclasses.field(default_factory=list)
+    sent_final: list[bool] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.num_sent_tokens = [0] * len(self.seqs)
+        self.num_sent_chars = [0] * len(self.seqs)
+        self.sent_final = [False] * len(self.seqs)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+def completion(seq: Sequence, tokenizer: Tokenizer, *, start: int = 0, text_start: int = 0,
+               final: bool = True) -> CompletionOutput:
+    """One sample's output from token `start` and text character `text_start` on. A stop string cuts
+    the text where it starts; while the sample runs (`final` False) and it has stop strings, the last
+    `len(longest stop) - 1` characters are held back (they may yet begin a stop string)."""
+    p = seq.params
+    out_ids = seq.output_ids
+    text = tokenizer.decode(out_ids, skip_special_tokens=p.skip_special_tokens)
+    if isinstance(seq.stop_reason, str) and seq.stop_text_at is not None:
+        text = text[:seq.stop_text_at]
+    elif p.stop and not final and not seq.is_finished:
+        text = text[:max(text_start, len(text) - max(map(len, p.stop)) + 1)]
+    logprobs = cumulative = None
+    if p.logprobs is not None:
+        logprobs = [TokenLogprob(t, lp, dict(zip(ids, lps))) for t, lp, (ids, lps)
+                    in zip(out_ids[start:], seq.output_logprobs[start:], seq.output_top[start:])]
+        cumulative = float(sum(seq.output_logprobs))
+    versions = seq.output_versions[start:]
+    return CompletionOutput(index=seq.sample_index, token_ids=out_ids[start:], text=text[text_start:],
+                            logprobs=logprobs, cumulative_logprob=cumulative, finish_reason=seq.finish_reason,
+                            stop_reason=seq.stop_reason,
+                            policy_version=seq.output_versions[-1] if seq.output_versions else seq.admitted_version,
+                            policy_versions=versions)
+
+
+def request_output(req: Request, tokenizer: Tokenizer) -> RequestOutput | None:
+    """The output a step reports for `req` under its `output_kind` (None: nothing to report now)."""
+    kind = req.params.output_kind
+    finished = req.finished
+    if kind == "final_only" and not finished:
+        return None
+    first = req.seqs[0]
+    prompt_logprobs = None
+    if first.params.prompt_logprobs is not None and (kind != "delta" or not req.num_outputs_sent):
+        prompt_logprobs = [None] + [
+            TokenLogprob(t, lp, dict(zip(ids, lps)))
+            for t, lp, (ids, lps) in zip(first.token_ids[1:first.num_prompt_tokens], first.prompt_logprobs,
+                                         first.prompt_top)]
+    if kind != "delta":
+        outputs = [completion(s, tokenizer, final=finished) for s in req.seqs]
+    else:
+        outputs = []
+        for i, seq in enumerate(req.seqs):
+            if req.sent_final[i] or (seq.num_output_tokens == req.num_sent_tokens[i] and not seq.is_finished):
+                continue
+            out = completion(seq, tokenizer, start=req.num_sent_tokens[i], text_start=req.num_sent_chars[i],
+                             final=False)
+            req.num_sent_tokens[i] = seq.num_output_tokens
+            req.num_sent_chars[i] += len(out.text)
+            req.sent_final[i] = seq.is_finished
+            outputs.append(out)
+        if not outputs:
+            return None
+    req.num_outputs_sent += 1
+    return RequestOutput(request_id=req.request_id, prompt=req.prompt,
+                         prompt_token_ids=first.token_ids[:first.num_prompt_tokens],
+                         prompt_logprobs=prompt_logprobs, outputs=outputs, finished=finished)

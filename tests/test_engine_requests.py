@@ -1,0 +1,184 @@
+"""The engine core's request API (`add_request`, `step`, `abort`, `has_unfinished_requests`) and
+weight updates between steps, on the tiny random Llama of test_engine, against its full forward."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rollout.engine import Engine
+from rollout.outputs import RequestOutput
+from rollout.sampling_params import SamplingParams
+from test_engine import ENGINE_KW, ByteTokenizer, Reference, make_model, rand_prompt
+from test_engine_sync import perturb
+
+PROMPTS = [rand_prompt(np.random.default_rng(300 + i), n) for i, n in enumerate([4, 19, 33, 7])]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=1)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model(0)
+
+
+@pytest.fixture(scope="module")
+def ref(model) -> Reference:
+    return Reference(model)
+
+
+@pytest.fixture
+def engine(model) -> Engine:
+    return Engine.from_model(model, ByteTokenizer(), **ENGINE_KW)
+
+
+def run_to_end(engine: Engine) -> dict[str, list[RequestOutput]]:
+    """Step until nothing is left; every output per request id, in order."""
+    seen: dict[str, list[RequestOutput]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen.setdefault(out.request_id, []).append(out)
+    return seen
+
+
+def test_add_request_and_step_equal_generate(engine: Engine, ref: Reference) -> None:
+    sampled = SamplingParams(temperature=1.0, seed=11, n=2, max_tokens=12, logprobs=0)
+    ids = [engine.add_request(p, GREEDY) for p in PROMPTS] + [engine.add_request(PROMPTS[1], sampled, "mine")]
+    assert ids[-1] == "mine" and len(set(ids)) == len(ids) and all(isinstance(i, str) for i in ids)
+    seen = run_to_end(engine)
+    assert set(seen) == set(ids) and not engine.requests
+    for rid, prompt in zip(ids, PROMPTS):
+        outs = seen[rid]
+        assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]  # cumulative: one per step
+        assert outs[-1].outputs[0].token_ids == ref.greedy(prompt, 20)
+        assert all(len(a.outputs[0].token_ids) <= len(b.outputs[0].token_ids) for a, b in zip(outs, outs[1:]))
+    (again,) = engine.generate([PROMPTS[1]], sampled)
+    got = seen["mine"][-1]
+    assert [c.token_ids for c in got.outputs] == [c.token_ids for c in again.outputs]
+    # a different batch around it: equal to float rounding (the engine is not batch-invariant)
+    assert [c.cumulative_logprob for c in got.outputs] == pytest.approx([c.cumulative_logprob for c in again.outputs],
+                                                                         abs=1e-4)
+
+
+def test_delta_outputs_add_up_to_the_final_one(engine: Engine) -> None:
+    sp = SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=20, logprobs=2, stop=["zz", "q"])
+    engine.add_request(PROMPTS[2], SamplingParams(**{**_fields(sp), "output_kind": "delta"}), "delta")
+    engine.add_request(PROMPTS[2], SamplingParams(**{**_fields(sp), "output_kind": "final_only"}), "final")
+    seen = run_to_end(engine)
+    assert len(seen["final"]) == 1 and seen["final"][0].finished
+    deltas = seen["delta"]
+    assert deltas[-1].finished and not any(o.finished for o in deltas[:-1])
+    for final in seen["final"][0].outputs:
+        parts = [c for o in deltas for c in o.outputs if c.index == final.index]
+        assert sum((c.token_ids for c in parts), []) == final.token_ids
+        assert "".join(c.text for c in parts) == final.text
+        assert [lp for c in parts for lp in c.logprobs] == final.logprobs
+        assert parts[-1].finish_reason == final.finish_reason and all(c.finish_reason is None for c in parts[:-1])
+
+
+def _fields(sp: SamplingParams) -> dict:
+    return {k: getattr(sp, k) for k in sp.__dataclass_fields__}
+
+
+def test_abort_frees_blocks_and_returns_what_was_produced(engine: Engine, ref: Reference) -> None:
+    free = engine.block_manager.num_free_blocks
+    long = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    victim = engine.add_request(PROMPTS[2], long, "victim")
+    keeper = engine.add_request(PROMPTS[0], GREEDY, "keeper")
+    outs = engine.step() + engine.step()  # a prefill step, then a multi-step decode call
+    assert all(not o.finished for o in outs)
+    (aborted,) = engine.abort(victim)
+    assert aborted.finished and aborted.request_id == "victim"
+    (c,) = aborted.outputs
+    assert c.finish_reason == "abort" and 0 < len(c.token_ids) < 100
+    assert c.token_ids == ref.greedy(PROMPTS[2], len(c.token_ids))
+    assert engine.abort([victim, "never-added"]) == []  # already gone, unknown: ignored
+    seen = run_to_end(engine)
+    assert seen[keeper][-1].outputs[0].token_ids == ref.greedy(PROMPTS[0], 20) and victim not in seen
+    assert engine.block_manager.num_free_blocks == free and not engine.requests
+
+
+def test_bad_requests_change_nothing(engine: Engine) -> None:
+    engine.add_request(PROMPTS[0], GREEDY, "taken")
+    state = (len(engine.requests), len(engine.scheduler.waiting), engine.stats_.num_sequences)
+    for prompt, params, rid in [(PROMPTS[1], GREEDY, "taken"), (PROMPTS[1], GREEDY, ""), (PROMPTS[1], GREEDY, 5),
+                                ([], GREEDY, None), ([1, 2, 999], GREEDY, None), (PROMPTS[1], "greedy", None)]:
+        with pytest.raises(ValueError):
+            engine.add_request(prompt, params, rid)
+        assert (len(engine.requests), len(engine.scheduler.waiting), engine.stats_.num_sequences) == state
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind="streaming")
+    assert run_to_end(engine)["taken"][-1].finished
+
+
+def test_generate_keeps_other_callers_outputs(engine: Engine, ref: Reference) -> None:
+    other = engine.add_request(PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                                                          output_kind="final_only"))
+    (mine,) = engine.generate([PROMPTS[1]], GREEDY)
+    assert mine.outputs[0].token_ids == ref.greedy(PROMPTS[1], 20)
+    seen = run_to_end(engine) if engine.has_unfinished_requests() else {}
+    later = engine.step() if not seen else []
+    outs = seen.get(other, []) + [o for o in later if o.request_id == other]
+    assert len(outs) == 1 and outs[0].outputs[0].token_ids == ref.greedy(PROMPTS[3], 6)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_sync_between_steps_stamps_versions(engine: Engine, model, recompute: bool) -> None:
+    """Weights change while requests run: tokens before the switch are the old model's, each token
+    records the version that sampled it; recomputing the running KV makes the rest the new model's."""
+    new = perturb(model, 5)
+    sp = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=0)
+    rids = [engine.add_request(p, sp) for p in PROMPTS[:2]]
+    engine.step()
+    engine.step()  # prefill, then one multi-step decode call
+    from test_weight_sync import to_hf
+
+    engine.sync_weights(to_hf(new), "hf", version=9, recompute_running=recompute)
+    final = {rid: outs[-1] for rid, outs in run_to_end(engine).items()}
+    old_ref, new_ref = Reference(model), Reference(new)
+    for rid, prompt in zip(rids, PROMPTS):
+        c = final[rid].outputs[0]
+        versions = c.policy_versions
+        assert len(versions) == len(c.token_ids) and versions[0] is None and versions[-1] == 9
+        n_old = versions.index(9)
+        assert 0 < n_old < 30 and set(versions[n_old:]) == {9} and c.policy_version == 9
+        assert c.token_ids[:n_old] == old_ref.greedy(prompt, n_old)
+        if recompute:
+            assert c.token_ids[n_old:] == new_ref.greedy(prompt + c.token_ids[:n_old], 30 - n_old)
+    batch = engine.rollout(PROMPTS[:1], sp)
+    assert (batch.completion_policy_versions[0, :30] == 9).all()
+
+
+def test_random_add_abort_sync_interleavings_lose_nothing(model, ref: Reference) -> None:
+    """A seeded property test: random adds, aborts, steps and syncs; no request is lost, no KV block
+    leaks, and every request that ran to its end under one version equals the reference."""
+    engine = Engine.from_model(model, ByteTokenizer(), **{**ENGINE_KW, "kv_cache_blocks": 24})
+    free = engine.block_manager.num_free_blocks
+    rng = np.random.default_rng(0)
+    from test_weight_sync import to_hf
+
+    same_weights = to_hf(model)
+    added: dict[str, list[int]] = {}
+    finished: dict[str, RequestOutput] = {}
+    for op in range(300):
+        r = rng.random()
+        if r < 0.3:
+            prompt = rand_prompt(rng, int(rng.integers(1, 50)))
+            sp = SamplingParams(temperature=0.0, max_tokens=int(rng.integers(1, 40)), ignore_eos=True)
+            added[engine.add_request(prompt, sp)] = prompt
+        elif r < 0.4 and added:
+            for out in engine.abort(str(rng.choice(list(added)))):
+                finished[out.request_id] = out
+        elif r < 0.43:
+            engine.sync_weights(same_weights, "hf")  # the same values: outputs must not change
+        else:
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+    for out in engine.abort(list(engine.requests)):
+        finished[out.request_id] = out
+    assert set(finished) == set(added) and not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == free
+    for rid, out in finished.items():
+        c = out.outputs[0]
+        if c.finish_reason != "abort":
+            assert c.token_ids == ref.greedy(added[rid], len(c.token_ids)), rid
