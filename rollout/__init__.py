@@ -1,4 +1,4 @@
-"""jax-rollout public API: `Engine`, `SamplingParams`, outputs, `load_tokenizer`, `NgramConfig`, `Eagle3Config`.
+"""jax-rollout public API: `Engine`, `AsyncEngine`, `SamplingParams`, outputs, `load_tokenizer`, `NgramConfig`, `Eagle3Config`.
 
 Names are imported lazily so that the host-side scheduler and block manager stay importable
 (and testable) without JAX.
@@ -10,6 +10,7 @@ import importlib
 
 _EXPORTS = {
     "Engine": "rollout.engine",
+    "AsyncEngine": "rollout.async_engine",
     "EngineConfig": "rollout.engine_config",
     "EngineStats": "rollout.engine_config",
     "SamplingParams": "rollout.sampling_params",

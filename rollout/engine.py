@@ -17,7 +17,7 @@ from rollout.request_validation import Prompt, normalize_requests, prompt_token_
 from rollout.rollout_batch import build_rollout_batch
 from rollout.sampling_params import SamplingParams
 from rollout.tokenizer import Tokenizer, load_tokenizer
-from runner.attention import auto_attention_impl
+from runner.backends import select_backend
 from runner.buckets import BucketConfig
 from runner.compile_counter import num_compilations
 from runner.kv_cache import KVCacheSpec
@@ -25,7 +25,7 @@ from runner.model_runner import ModelRunner
 from runner.spec_decode.eagle3_checkpoint import load_eagle3_head
 from runner.spec_decode.eagle3_config import Eagle3Config
 from runner.models.head_layout import with_head_layout
-from runner.models.llama import LlamaForCausalLM
+from runner.models.family import CausalLM
 from runner.models.loader import load_model
 from runner.sharding import make_mesh
 
@@ -36,7 +36,7 @@ class Engine(EngineCore):
     Request API (from `EngineCore`): `add_request`, `step`, `abort`, `has_unfinished_requests`,
     `sync_weights` (legal between any two steps). Blocking clients: `generate`, `rollout`."""
 
-    def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer, config: EngineConfig,
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig,
                  mesh: Mesh | tuple[int, int] | None = None) -> None:
         device_mesh = make_mesh(mesh)
         model = with_head_layout(model, device_mesh.shape["model"])  # whole heads on every device
@@ -57,13 +57,15 @@ class Engine(EngineCore):
         spec = config.speculative
         buckets = BucketConfig(config.max_num_seqs, config.max_num_batched_tokens, max_pages,
                                verify_rows=spec.k + 1 if spec is not None else 0)
-        attention_impl = auto_attention_impl(config.attention_backend, device_mesh.devices.flat[0].platform,
-                                             device_mesh.shape["model"], kv_spec.dtype, device_mesh.size)
+        backend = select_backend(config.backend, device_mesh, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                                 cache_dtype=kv_spec.dtype, attention_backend=config.attention_backend,
+                                 cpu_row_kernel=config.cpu_row_kernel, cpu_amx=config.cpu_amx,
+                                 cpu_amx_from_rows=config.cpu_amx_from_rows)
         draft_head, verify_steps = None, spec.num_verify_steps if isinstance(spec, Eagle3Config) else 1
         if isinstance(spec, Eagle3Config):
             draft_head = load_eagle3_head(spec.path, cfg, aux_layer_ids=spec.aux_layer_ids)
         runner = ModelRunner(model, kv_spec, buckets, max_logprobs=config.max_logprobs, mesh=device_mesh,
-                             attention_impl=attention_impl, draft_head=draft_head,
+                             backend=backend, draft_head=draft_head,
                              num_scheduler_steps=config.num_scheduler_steps,
                              draft_min_confidence=spec.min_confidence if isinstance(spec, Eagle3Config) else 0.0,
                              num_verify_steps=verify_steps)
@@ -84,7 +86,7 @@ class Engine(EngineCore):
         return cls(model, load_tokenizer(path), engine_config, device_mesh)
 
     @classmethod
-    def from_model(cls, model: LlamaForCausalLM, tokenizer: Tokenizer, *,
+    def from_model(cls, model: CausalLM, tokenizer: Tokenizer, *,
                    mesh: Mesh | tuple[int, int] | None = None, **config: object) -> "Engine":
         """Serve a model the trainer already holds (the engine keeps its own copy of the parameters;
         push updates with `sync_weights`)."""
@@ -115,7 +117,8 @@ class Engine(EngineCore):
                         bar.update(1)
         except BaseException:
             self.abort([rid for rid in mine if rid not in results])  # the engine stays usable
-            self._deferred = [o for o in self._deferred if o.request_id not in mine]
+            self.block_manager.invalidate_prefix_cache()  # nothing computed in a failed call is reused
+            self._deferred = [o for o in self._deferred if o.request_id not in wanted]
             raise
         finally:
             bar.close()
@@ -133,7 +136,7 @@ class Engine(EngineCore):
         self.block_manager.invalidate_prefix_cache()
 
     @property
-    def model(self) -> LlamaForCausalLM:
+    def model(self) -> CausalLM:
         """The model bound to the engine's current parameters (for a reference forward pass)."""
         return self.runner.model
 
@@ -149,12 +152,12 @@ class Engine(EngineCore):
 
     def stats(self) -> EngineStats:
         """Counters since the engine was built (a copy)."""
+        backend = self.runner.backend.status()
         return dataclasses.replace(
             self.stats_, num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_hit_tokens=self.block_manager.num_cache_hit_tokens,
             prefix_cache_queried_tokens=self.block_manager.num_cache_queried_tokens,
             num_compilations=num_compilations() - self._compiles_at_start,
-            cpu_row_kernel=self.runner.row_kernel.reason, cpu_amx=self.runner.amx.reason,
-            attention_impl=self.runner.attention_impl,
+            backend=backend.name, cpu_row_kernel=backend.matmul, cpu_amx=backend.amx, attention_impl=backend.attention,
             speculative=dataclasses.replace(self.speculator.stats) if self.speculator is not None else None)
 

@@ -7,6 +7,7 @@ import dataclasses
 from rollout.scheduler import ScheduledBatch
 from rollout.speculator import SpecStats
 from runner.attention import ATTENTION_IMPLS
+from runner.backends import BACKENDS
 from runner.spec_decode.eagle3_config import Eagle3Config
 from runner.spec_decode.ngram import NgramConfig
 
@@ -36,10 +37,19 @@ class EngineConfig:
     max_logprobs: int = 20
     enable_prefix_caching: bool = True
     speculative: NgramConfig | Eagle3Config | None = None  # draft (n-gram lookup or an EAGLE-3 head), verified
-    # "auto" (`runner.attention.auto_attention_impl`): without tensor parallelism, JAX's Pallas
+    # The kernel backend (`runner/backends/`): "auto" (the devices' platform: "cpu", "gpu" or "tpu"),
+    # or "reference" (pure JAX everywhere, the oracle). Chosen once, when the engine is built.
+    backend: str = "auto"
+    # "auto" (`runner.backends.auto_attention_impl`): without tensor parallelism, JAX's Pallas
     # paged-attention kernel for decode steps on a GPU (on a TPU with a bfloat16 cache), the C++ kernel
     # on one CPU device with a float32 cache; the pure-JAX path otherwise. Or one of ATTENTION_IMPLS.
     attention_backend: str = "auto"
+    # CPU backend: the few-row matmul kernel, AMX tiles where the CPU has them, and from how many rows
+    # AMX takes layer matmuls the row kernel could (the environment switches JAX_ROLLOUT_ROW_KERNEL=0,
+    # JAX_ROLLOUT_AMX=0 and JAX_ROLLOUT_AMX_FROM_ROWS override these when the engine is built)
+    cpu_row_kernel: bool = True
+    cpu_amx: bool = True
+    cpu_amx_from_rows: int = 25
     # Multi-step decode (vLLM's name): up to this many decode steps per device call, the sampled
     # tokens fed back on the device; the host sees the batch (stops, new requests) once per call.
     # None: DEFAULT_SCHEDULER_STEPS. With drafting, decode steps that do not draft (auto-disable, no
@@ -60,6 +70,13 @@ class EngineConfig:
                              f"{type(self.speculative).__name__}")
         if self.speculative is not None and self.speculative.k + 1 > 8:
             raise ValueError(f"speculative k must be <= 7 (a verification row holds 8 tokens), got {self.speculative.k}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        for name in ("cpu_row_kernel", "cpu_amx"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if not isinstance(self.cpu_amx_from_rows, int) or self.cpu_amx_from_rows < 1:
+            raise ValueError(f"cpu_amx_from_rows must be an integer >= 1, got {self.cpu_amx_from_rows!r}")
         if self.attention_backend not in ("auto", *ATTENTION_IMPLS):
             raise ValueError(f"attention_backend must be 'auto' or one of {ATTENTION_IMPLS}, got {self.attention_backend!r}")
         if self.num_scheduler_steps is None:  # resolved here, so the engine reads one number
@@ -90,8 +107,9 @@ class EngineStats:
     num_weight_syncs: int = 0
     generate_seconds: float = 0.0
     speculative: SpecStats | None = None  # drafting counters when speculation is configured
-    cpu_row_kernel: str = ""  # "ok": steps of <= 64 rows use runner.row_matmul (tied head <= 8); else why XLA's dot
-    # "ok": matmuls `runner.amx_matmul.takes` use AMX tiles (the layers' of >= 25 rows where the row kernel
+    backend: str = ""  # the kernel backend chosen (runner/backends/)
+    cpu_row_kernel: str = ""  # "ok": steps of <= 64 rows use runner.backends.cpu.row_matmul (tied head <= 8); else why XLA's dot
+    # "ok": matmuls `runner.backends.cpu.amx_matmul.takes` use AMX tiles (the layers' of >= 25 rows where the row kernel
     # runs, else >= 9; the tied head's past 8 rows); else why not
     cpu_amx: str = ""
     attention_impl: str = ""  # the attention kernel of decode / verification steps (runner.attention.ATTENTION_IMPLS)

@@ -64,6 +64,7 @@ class EngineCore:
         self.stats_ = EngineStats()
         self.requests: dict[str, Request] = {}  # unfinished requests, and finished ones not yet reported
         self._deferred: list[RequestOutput] = []  # outputs a blocking client stepped past (see `generate`)
+        self._in_step = False  # a step is running: weights may not change under it
         self._auto_ids = itertools.count()
         self._seq_ids = itertools.count()
 
@@ -130,8 +131,8 @@ class EngineCore:
         return results
 
     def has_unfinished_requests(self) -> bool:
-        """True while some request is queued or running (its final output not produced yet)."""
-        return self.scheduler.has_unfinished()
+        """True while some request is queued or running, or has outputs `step()` has not returned yet."""
+        return self.scheduler.has_unfinished() or bool(self._deferred)
 
     # ---- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -157,14 +158,17 @@ class EngineCore:
         batch = self.scheduler.schedule()
         if not batch.seqs:  # nothing to run (no requests): no device call
             return batch
+        self._in_step = True
         try:
             start = time.perf_counter()
             self._run(batch)
         except BaseException:
+            self._deferred += self.abort(dict.fromkeys(s.request_id for s in batch.seqs))
             # the step's blocks were published for prefix sharing when scheduled, maybe never computed
             self.block_manager.invalidate_prefix_cache()
-            self._deferred += self.abort(dict.fromkeys(s.request_id for s in batch.seqs))
             raise
+        finally:
+            self._in_step = False
         self.stats_.generate_seconds += time.perf_counter() - start
         return batch
 
@@ -177,24 +181,15 @@ class EngineCore:
         result = self.runner.run(build_step(batch, self.eos_token_ids, drafts, rejection=self._rejection,
                                             multi_step=self.config.num_scheduler_steps > 1,
                                             device_drafts=self.runner.drafter is not None))
-        if drafts is not None and result.draft_ids is not None and result.steps == 1:  # made on the device: now known
-            drafts = [result.draft_ids[i, :len(d)] for i, d in enumerate(drafts)]
-        steps = float(np.mean(batch.num_new_tokens))
-        if drafts is None:
-            self.outputs.process(batch, result)
-        elif result.steps > 1:  # multi-step verification: every step's drafts come back
-            _, records, num_steps = self.outputs.process_verify_steps(batch, result)
+        records, steps_run = self.outputs.apply(batch, result, drafts)
+        steps = float(np.mean(batch.num_new_tokens)) if drafts is None or result.steps == 1 else float(steps_run)
+        if drafts is not None and result.verified:
             for seq, drafted, accepted in records:
                 self.speculator.record_acceptance(seq, drafted, accepted, accepted + 1, self.policy_version)
-            self.speculator.record_verify_steps(num_steps)
-            steps = float(num_steps)
-        else:
-            _, accepted = self.outputs.process_verified(batch, result, drafts)
-            if result.verified:
-                for seq, d, a in zip(batch.seqs, drafts, accepted):
-                    self.speculator.record_acceptance(seq, len(d), a, a + 1, self.policy_version)
-            else:  # the head was unsure: the device decoded this step plainly
-                self.speculator.record_unsure(batch.seqs)
+            if result.steps > 1:
+                self.speculator.record_verify_steps(steps_run)
+        elif drafts is not None:  # the head was unsure: the device decoded this step plainly
+            self.speculator.record_unsure(batch.seqs)
         if self.speculator is not None and not batch.is_prefill:
             self.speculator.record_step(len(batch.seqs), drafts is not None, time.perf_counter() - start,
                                         steps, verified=result.verified)
@@ -221,6 +216,9 @@ class EngineCore:
         first (their tokens so far are kept). Tokens sampled from now on record `version` (default:
         previous version + 1).
         """
+        if self._in_step:
+            raise RuntimeError("sync_weights() was called inside an engine step (while generate() is running "
+                               "one, say); call it between steps")
         plans = self.weights.check(params, mapping, check_finite=check_finite, draft_params=draft_params,
                                    draft_mapping=draft_mapping)
         try:

@@ -11,6 +11,8 @@ from rollout.sequence import Sequence
 from rollout.tokenizer import Tokenizer
 from runner.model_runner import StepResult
 
+DraftRecord = tuple[Sequence, int, int]  # (sequence, drafted tokens, accepted drafts) of one verification step
+
 
 class OutputProcessor:
     """Turns step results into sequence state."""
@@ -23,102 +25,74 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self.policy_version: int | None = None  # recorded with every token appended
 
-    def process(self, batch: ScheduledBatch, result: StepResult) -> list[Sequence]:
-        """Apply one step's results; returns the sequences that finished."""
-        if result.steps > 1:
-            return self._process_steps(batch, result)
-        finished: list[Sequence] = []
-        offset = 0
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            if result.token_logprobs is not None and seq.wants_prompt_logprobs:
-                self._record_prompt_logprobs(seq, result, offset, n)
-            offset += n
-            seq.num_computed_tokens += n
-            if seq.num_computed_tokens < seq.num_tokens:
-                continue  # a prefill chunk that does not reach the end: nothing sampled
-            if self._emit(seq, result, i):
-                finished.append(seq)
-        return finished
+    def apply(self, batch: ScheduledBatch, result: StepResult, drafts: list[np.ndarray] | None = None
+              ) -> tuple[list[DraftRecord], int]:
+        """Apply one step's results (every kind of step: one walker over `result`'s `[steps, rows]`).
 
-    def _process_steps(self, batch: ScheduledBatch, result: StepResult) -> list[Sequence]:
-        """A multi-step decode call: each sequence takes its steps' tokens until one stops it (the
-        K/V its later steps wrote lies past its end and is never read)."""
-        finished: list[Sequence] = []
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            for t in range(n):
-                seq.num_computed_tokens += 1
-                if self._emit(seq, result, i * result.steps + t):
-                    finished.append(seq)
-                    break
-        return finished
-
-    def process_verified(self, batch: ScheduledBatch, result: StepResult, drafts: list[np.ndarray]
-                         ) -> tuple[list[Sequence], list[int]]:
-        """Apply a verification step: per sequence, keep target tokens while its drafts matched them.
-
-        Row r of a sequence sampled after its r-th input (the last token, then draft r-1), so its
-        token is valid while every earlier draft equalled the target's token. Returns the finished
-        sequences and the number of accepted drafts per sequence.
+        Sequence s owns rows `[start_s, start_s + 1 + len(drafts[s]))` of each step (one row when
+        nothing is drafted); row r sampled after the sequence's r-th input (its last token, then draft
+        r - 1), so its token holds while every earlier draft equalled the token sampled before it.
+        A prefill sequence computes its `num_new_tokens` and samples once if they reach its end; a
+        decode or verification sequence runs `num_new_tokens` steps until one stops it (K/V its later
+        steps wrote lies past its end and is never read). Returns (sequence, drafted, accepted) per
+        sequence step that had drafts, and how many steps carried a live sequence.
         """
-        finished: list[Sequence] = []
-        accepted: list[int] = []
-        row = 0
-        for seq, draft in zip(batch.seqs, drafts):
-            done, num_accepted = self._verify_one(seq, draft, result, row)
-            finished += [seq] if done else []
-            accepted.append(num_accepted)
-            row += len(draft) + 1
-        return finished, accepted
-
-    def process_verify_steps(self, batch: ScheduledBatch, result: StepResult
-                             ) -> tuple[list[Sequence], list[tuple[Sequence, int, int]], int]:
-        """Apply a multi-step verification call (`result.steps` draft-verify steps ran on the device): step
-        i's rows start at i * rows per step, sequence s's drafts at `draft_ids[i * S + s]`. A sequence
-        takes its `batch.num_new_tokens` steps until one finishes it (the device stopped it there too;
-        or `max_tokens` or a stop string, which the device does not check: its later steps are dropped).
-        Returns the finished sequences, (sequence, drafted, accepted) per sequence step, and how many
-        steps carried a live sequence."""
-        finished: list[Sequence] = []
-        records: list[tuple[Sequence, int, int]] = []
-        num_seqs, rows_per_step = len(batch.seqs), len(result.token_ids) // result.steps
-        k = result.draft_ids.shape[1]
-        live = list(range(num_seqs))
+        seqs, counts = batch.seqs, batch.num_new_tokens
+        widths = [1] * len(seqs) if drafts is None else [1 + len(d) for d in drafts]
+        starts = np.cumsum([0, *widths[:-1]])
+        offsets = np.cumsum([0, *counts[:-1]])  # prefill: each sequence's first token in the step
+        steps = [1] * len(seqs) if batch.is_prefill else counts
+        records: list[DraftRecord] = []
+        live = []
+        for s, seq in enumerate(seqs):
+            if batch.is_prefill:
+                if result.token_logprobs is not None and seq.wants_prompt_logprobs:
+                    self._record_prompt_logprobs(seq, result, int(offsets[s]), counts[s])
+                seq.num_computed_tokens += counts[s] - 1  # the sampled row below computes the last one
+                if seq.num_computed_tokens + 1 < seq.num_tokens:  # a chunk short of the end: nothing sampled
+                    seq.num_computed_tokens += 1
+                    continue
+            live.append(s)
         steps_run = 0
-        for i in range(result.steps):
-            live = [s for s in live if i < batch.num_new_tokens[s]]
+        for t in range(result.token_ids.shape[0]):
+            live = [s for s in live if t < steps[s]]
             if not live:
                 break
             steps_run += 1
             for s in list(live):
-                seq, draft = batch.seqs[s], result.draft_ids[i * num_seqs + s]
-                done, num_accepted = self._verify_one(seq, draft, result, i * rows_per_step + s * (k + 1))
-                records.append((seq, k, num_accepted))
+                seq = seqs[s]
+                draft = () if drafts is None else (drafts[s] if result.draft_ids is None
+                                                   else result.draft_ids[t, s, :len(drafts[s])])
+                done, accepted = self._walk(seq, draft, result, t, int(starts[s]))
+                if drafts is not None:
+                    records.append((seq, len(draft), accepted))
                 if done:
-                    finished.append(seq)
                     live.remove(s)
-        return finished, records, steps_run
+        return records, steps_run
 
-    def _verify_one(self, seq: Sequence, draft: np.ndarray, result: StepResult, row: int) -> tuple[bool, int]:
-        """One sequence's verification rows from `row`: emit while drafts match; (finished, accepted drafts)."""
+    def _walk(self, seq: Sequence, draft: np.ndarray | tuple, result: StepResult, step: int, row: int
+              ) -> tuple[bool, int]:
+        """One sequence's rows of one step from `row`: emit while drafts match; (finished, accepted drafts)."""
         for r in range(len(draft) + 1):
             seq.num_computed_tokens += 1  # K/V of this row's input token is valid
-            if self._emit(seq, result, row + r):
+            if self._emit(seq, result, step, row + r):
                 return True, r
             if r < len(draft) and int(draft[r]) != seq.token_ids[-1]:
                 return False, r
         return False, len(draft)
 
-    def _emit(self, seq: Sequence, result: StepResult, row: int) -> bool:
-        """Append the token sampled in `row`; finish the sequence (and return True) if it stops."""
+    def _emit(self, seq: Sequence, result: StepResult, step: int, row: int) -> bool:
+        """Append the token sampled in `row` of `step`; finish the sequence (and return True) if it stops."""
         if seq.num_output_tokens == 0:  # its prompt's K/V is complete: its sibling samples may share it
             self.scheduler.mark_prefilled(seq)
-        token = int(result.token_ids[row])
+        token = int(result.token_ids[step, row])
         seq.token_ids.append(token)
         seq.output_versions.append(self.policy_version)
         if seq.params.logprobs is not None:
-            seq.output_logprobs.append(float(result.logprobs[row]))
+            seq.output_logprobs.append(float(result.logprobs[step, row]))
             k = seq.params.logprobs  # the step returns the batch's largest k
-            seq.output_top.append((result.top_ids[row, :k].tolist(), result.top_logprobs[row, :k].tolist()))
+            seq.output_top.append((result.top_ids[step, row, :k].tolist(),
+                                   result.top_logprobs[step, row, :k].tolist()))
         if self._check_stop(seq, token):
             self.scheduler.finish(seq)
             return True

@@ -6,9 +6,11 @@ from __future__ import annotations
 import jax
 
 import weight_sync
+import weight_sync.presets
 from weight_sync.apply import reject_non_finite
 
 from runner.model_runner import ModelRunner
+from runner.models.registry import get_family
 
 
 class WeightUpdater:
@@ -28,6 +30,8 @@ class WeightUpdater:
         if draft_params is not None and drafter is None:
             raise ValueError("draft_params were given but this engine has no EAGLE-3 head "
                              "(build it with speculative=Eagle3Config(...))")
+        if isinstance(mapping, str) and mapping in weight_sync.presets.FAMILY_PRESETS:  # this model's names
+            mapping = get_family(runner.config.family).sync_rules(mapping)
         try:
             takes = self._head_takes()  # trainer-layout attention tensors into padded / replicated heads
             plan = weight_sync.plan(params, runner.params, mapping, takes=takes)  # cached per structure

@@ -176,8 +176,12 @@ class Scheduler:
         self._prefilled_requests.add(seq.request_id)
 
     def finish(self, seq: Sequence) -> None:
+        """End a running sequence; its computed full blocks (prompt and completion) stay cached for
+        prefix sharing, so a next turn that extends its tokens (multi-turn RL) or a resumed continuation
+        reuses their K/V."""
         seq.status = SequenceStatus.FINISHED
         self.running.remove(seq)
+        self.block_manager.register_computed(seq, seq.num_computed_tokens)
         self.block_manager.deallocate(seq)
 
     def abort(self, seqs: list[Sequence]) -> None:

@@ -56,7 +56,7 @@ def build_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...],
     if multi_step and not batch.is_prefill:
         one = build_step(ScheduledBatch(False, batch.seqs, [1] * len(batch.seqs)), eos_token_ids)
         suppress_steps, stop_ids = device_stops(batch.seqs, eos_token_ids)
-        return dataclasses.replace(one, num_steps=np.asarray(batch.num_new_tokens, np.int32),
+        return dataclasses.replace(one, kind="decode", num_steps=np.asarray(batch.num_new_tokens, np.int32),
                                    suppress_steps=suppress_steps, stop_ids=stop_ids)
     seqs, counts = batch.seqs, np.asarray(batch.num_new_tokens, np.int32)
     starts = np.array([s.num_computed_tokens for s in seqs], np.int32)
@@ -89,7 +89,7 @@ def build_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...],
         want_logprob=np.array([p.logprobs is not None for p in params], bool),
         suppress_ids=suppress,
         num_top_logprobs=max((max(p.logprobs or 0, p.prompt_logprobs or 0) for p in params), default=0),
-        target_ids=target_ids, replicas=np.array([s.replica for s in seqs], np.int32))
+        kind="prefill" if batch.is_prefill else "decode", target_ids=target_ids, replicas=np.array([s.replica for s in seqs], np.int32))
 
 
 def build_verify_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...], drafts: list[np.ndarray],
@@ -136,7 +136,7 @@ def build_verify_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...], dra
         processed=np.array([p.logprobs_mode == "processed" for p in params], bool),
         want_logprob=np.array([p.logprobs is not None for p in params], bool),
         suppress_ids=suppress,
-        num_top_logprobs=max((s.params.logprobs or 0 for s in seqs), default=0),
+        num_top_logprobs=max((s.params.logprobs or 0 for s in seqs), default=0), kind="verify",
         logits_indices=np.arange(len(token_ids), dtype=np.int32), replicas=np.array([s.replica for s in seqs], np.int32),
         draft_ids=np.concatenate([np.append(d, -1) for d in drafts]).astype(np.int32) if rejection else None,
         draft_slots=np.concatenate([np.arange(-1, len(d), dtype=np.int32) for d in drafts]) if device_drafts else None,

@@ -23,8 +23,6 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from runner.cpu_attention import MAX_HEAD_DIM, MAX_Q_LEN, cpu_paged_attention
-from runner.cpu_attention import load as load_cpu_attention
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 MULTIPLY_REDUCE_MAX_ROWS = 24  # query rows per (sequence, KV head) up to which scores skip the dot
@@ -52,27 +50,6 @@ class AttentionMetadata:
 ATTENTION_IMPLS = ("jax", "cpu_kernel", "pallas_gpu", "pallas_gpu_interpret", "pallas_tpu", "pallas_tpu_interpret")
 
 
-def auto_attention_impl(backend: str, platform: str, model_axis: int, cache_dtype: str, num_devices: int = 1) -> str:
-    """The attention impl for `attention_backend=backend` ("auto" or one of ATTENTION_IMPLS).
-
-    "auto" takes the Pallas decode kernel of the device's platform when the cache is not sharded over
-    a `model` axis; on TPU only for a bfloat16 cache, since that kernel rounds K/V to bfloat16 (with
-    a float32 cache it would move logprobs off the trainer's by ~1e-2). On one CPU device with a
-    float32 cache, the C++ kernel of `runner.cpu_attention` when it builds. Otherwise the pure-JAX path.
-    """
-    if backend != "auto":
-        return backend
-    if model_axis != 1:
-        return "jax"
-    if platform == "cpu" and num_devices == 1 and jnp.dtype(cache_dtype) == jnp.float32:
-        return "cpu_kernel" if load_cpu_attention().available else "jax"
-    if platform == "gpu":
-        return "pallas_gpu"
-    if platform == "tpu" and jnp.dtype(cache_dtype) == jnp.bfloat16:
-        return "pallas_tpu"
-    return "jax"
-
-
 def paged_attention(
     queries: Float[Array, "T Hq D"],
     kv_pages: Float[Array, "2 Hkv P page D"],
@@ -82,8 +59,8 @@ def paged_attention(
 ) -> Float[Array, "T Hq D"]:
     """The engine's one attention boundary: `md.impl` picks the kernel.
 
-    "jax" is the pure-JAX `ragged_paged_attention` (every step, every backend). "cpu_kernel" sends steps
-    of at most `runner.cpu_attention.MAX_Q_LEN` queries per sequence or prefill piece with float32
+    "jax" is the pure-JAX `ragged_paged_attention` (every step, every backend). "cpu_kernel" (the CPU
+    backend's) sends steps of at most `runner.backends.cpu.attention.MAX_Q_LEN` queries per sequence or prefill piece with float32
     queries and cache to that C++ kernel, other steps to the pure-JAX version. "pallas_gpu" and
     "pallas_tpu" send decode steps (one query per sequence) to JAX's Pallas `paged_attention` kernel
     for that backend over the same cache (`kv_pages[0]`, `kv_pages[1]`), and every other step to the
@@ -92,7 +69,9 @@ def paged_attention(
     """
     if md.impl not in ATTENTION_IMPLS:
         raise ValueError(f"unknown attention impl {md.impl!r}; choose one of {ATTENTION_IMPLS}")
-    if md.impl == "cpu_kernel":
+    if md.impl == "cpu_kernel":  # the CPU backend's C++ kernel (imported only by engines that chose it)
+        from runner.backends.cpu.attention import MAX_HEAD_DIM, MAX_Q_LEN, cpu_paged_attention
+
         if md.max_q_len <= MAX_Q_LEN and queries.dtype == kv_pages.dtype == jnp.float32 and queries.shape[-1] <= MAX_HEAD_DIM:
             return cpu_paged_attention(queries, kv_pages, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
                                        sm_scale=sm_scale)

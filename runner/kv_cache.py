@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from runner.models.config import ModelConfig
-from runner.models.llama import KVCaches
+from runner.models.family import KVCaches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +61,9 @@ class KVCacheSpec:
         return dataclasses.replace(spec, num_blocks=int(num_blocks))
 
 
-def allocate_kv_caches(spec: KVCacheSpec, sharding: jax.sharding.Sharding | None = None) -> KVCaches:
-    """Zeroed caches, one array per layer (created directly in `sharding` when given)."""
-    make = jax.jit(lambda: jnp.zeros(spec.shape, spec.dtype), out_shardings=sharding)
-    return tuple(make() for _ in range(spec.num_layers))
+def allocate_kv_caches(shape: tuple[int, ...], dtype: str, num_layers: int,
+                       sharding: jax.sharding.Sharding | None = None) -> KVCaches:
+    """Zeroed caches of one layer's `shape` (the backend's layout of `KVCacheSpec.shape`), one array per
+    layer (created directly in `sharding` when given)."""
+    make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+    return tuple(make() for _ in range(num_layers))

@@ -11,22 +11,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from jaxtyping import Array
+from jaxtyping import Array, Float, Int
 
-from runner.attention import ATTENTION_IMPLS
+from runner.backends.base import Backend
 from runner.buckets import BucketConfig
-from runner.cpu_attention import load as load_cpu_attention
-from runner.kernel_build import KernelStatus
 from runner.kv_cache import KVCacheSpec, allocate_kv_caches
-from runner.amx_matmul import load as load_amx
-from runner.models.llama import LlamaForCausalLM, repack_amx, with_amx, with_row_kernel
-from runner.row_matmul import MAX_ROWS, load
+from runner.models.family import CausalLM
+from runner.models.registry import get_family
 from runner.sampler import SamplerOutput
 from runner.sharding import kv_cache_sharding, make_mesh, shard_params
 from runner.spec_decode.eagle3 import Eagle3Head
@@ -39,52 +37,52 @@ from runner.warmup_steps import DummySteps
 
 @dataclasses.dataclass(frozen=True)
 class StepResult:
-    """What comes back to the host: one sampled token per sequence (and per-token logprobs if asked)."""
+    """What comes back to the host, one layout for every kind of step: `[steps, rows]`, where a row is
+    a sampled row of the plan (one per sequence, or one per verified token) and a step one device
+    iteration (one for a single step; a multi-step call's later steps past a sequence's count are
+    garbage the host never reads). Per-token logprobs of a prefill come flat."""
 
-    token_ids: np.ndarray  # [S]
-    logprobs: np.ndarray  # [S] of the sampled token, in each sequence's mode
-    top_ids: np.ndarray  # [S, K]
-    top_logprobs: np.ndarray  # [S, K]
-    token_logprobs: np.ndarray | None = None  # [T] raw logprob of target_ids[t] after token t
-    token_top_ids: np.ndarray | None = None  # [T, K]
-    token_top_logprobs: np.ndarray | None = None  # [T, K]
-    # rows per sequence: a multi-step decode call's row i * steps + t is sequence i's step t; a multi-step
-    # verification call's rows are step-major (see `ModelRunner._run_draft_verify_steps`)
-    steps: int = 1
-    draft_ids: np.ndarray | None = None  # [S, k] drafts made on the device (`StepBatch.draft_slots`)
+    token_ids: Int[np.ndarray, "steps rows"]
+    logprobs: Float[np.ndarray, "steps rows"]  # of the sampled token, in each sequence's mode
+    top_ids: Int[np.ndarray, "steps rows K"]
+    top_logprobs: Float[np.ndarray, "steps rows K"]
+    token_logprobs: Float[np.ndarray, "T"] | None = None  # raw logprob of target_ids[t] after token t
+    token_top_ids: Int[np.ndarray, "T K"] | None = None
+    token_top_logprobs: Float[np.ndarray, "T K"] | None = None
+    draft_ids: Int[np.ndarray, "steps S k"] | None = None  # drafts made on the device (`StepBatch.draft_slots`)
     verified: bool = True  # False: the head was unsure and the step decoded plainly (drafts all -1)
+
+    @property
+    def steps(self) -> int:
+        return self.token_ids.shape[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class PendingStep:
+    """A launched step: its device outputs (not yet fetched) and how they become a `StepResult`."""
+
+    outputs: tuple[SamplerOutput | Array | None, ...]
+    finish: Callable[[tuple[SamplerOutput | np.ndarray | None, ...]], StepResult]
 
 
 def _sampled_rows(out: SamplerOutput, rows: np.ndarray, num_top: int) -> StepResult:
-    """The sampled rows of a step's (host) output in the batch's order, `num_top` alternatives each."""
-    return StepResult(out.token_ids[rows], out.logprobs[rows], out.top_ids[rows, :num_top],
-                      out.top_logprobs[rows, :num_top])
-
-
-def row_kernel_status(mesh: Mesh, model: LlamaForCausalLM) -> KernelStatus:
-    """Whether the engine's few-row steps (decode at B <= 64, verification up to 64 rows) use `runner.row_matmul`:
-    float32 on one CPU device (the kernel has no partitioning rule, so never on a mesh)."""
-    cfg = model.config
-    if any(d.platform != "cpu" for d in mesh.devices.flat):
-        return KernelStatus(False, "not a CPU device: XLA's dot")
-    if mesh.size > 1:
-        return KernelStatus(False, "a mesh of several devices: XLA's dot partitions, the kernel does not")
-    if (cfg.dtype, cfg.param_dtype) != ("float32", "float32"):
-        return KernelStatus(False, f"float32 only, the model computes in {cfg.dtype} ({cfg.param_dtype} weights)")
-    return load()
+    """The sampled rows of a one-step (host) output in the batch's order, `num_top` alternatives each."""
+    return StepResult(out.token_ids[None, rows], out.logprobs[None, rows], out.top_ids[None, rows, :num_top],
+                      out.top_logprobs[None, rows, :num_top])
 
 
 class ModelRunner:
     """Owns the model's device state, the paged KV caches and the compiled step programs."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_spec: KVCacheSpec, buckets: BucketConfig,
-                 *, max_logprobs: int = 20, mesh: Mesh | None = None, attention_impl: str = "jax",
+    def __init__(self, model: CausalLM, kv_spec: KVCacheSpec, buckets: BucketConfig,
+                 *, max_logprobs: int = 20, mesh: Mesh | None = None, backend: Backend | None = None,
                  draft_head: Eagle3Head | None = None, num_scheduler_steps: int = 1,
                  draft_min_confidence: float = 0.0, num_verify_steps: int = 1) -> None:
         """`draft_min_confidence > 0`: a verification step whose sequences' first drafts all have a lower
         probability under the head decodes plainly in the same program (`Eagle3Drafter.verify`).
         `num_verify_steps > 1`: with a draft head, verification may also run up to that many
-        draft-verify steps in one device loop (`Eagle3Drafter.verify_steps`)."""
+        draft-verify steps in one device loop (`Eagle3Drafter.verify_steps`). `backend` (default: the
+        reference backend, pure JAX) owns the kernel choices (`runner.backends.select_backend`)."""
         if not 0.0 <= draft_min_confidence <= 1.0:
             raise ValueError(f"draft_min_confidence must be in [0, 1], got {draft_min_confidence}")
         self.draft_min_confidence = draft_min_confidence
@@ -95,46 +93,37 @@ class ModelRunner:
             raise ValueError(f"num_verify_steps must be >= 1 and 1 without a draft head, got {num_verify_steps}")
         self.num_verify_steps = num_verify_steps
         self.mesh = mesh if mesh is not None else make_mesh(None)
-        self.row_kernel = row_kernel_status(self.mesh, model)
-        self.amx = load_amx() if self.row_kernel.available else self.row_kernel
-        if self.row_kernel.available:
-            model = with_row_kernel(model, MAX_ROWS)
-            draft_head = None if draft_head is None else with_row_kernel(draft_head, MAX_ROWS)
-        model = with_amx(model, self.amx.available)  # packed kernels live in `rest`, recomputed when params change
+        self.backend = backend if backend is not None else Backend()
+        model = self.backend.prepare(model)  # its kernels; packed weights live in `rest`, refreshed on sync
+        draft_head = None if draft_head is None else self.backend.prepare(draft_head, pack=False)
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        if attention_impl not in ATTENTION_IMPLS:
-            raise ValueError(f"unknown attention impl {attention_impl!r}; choose one of {ATTENTION_IMPLS}")
-        if attention_impl != "jax" and self.mesh.shape["model"] > 1:
-            raise ValueError(f"attention impl {attention_impl!r} runs unpartitioned: it needs a mesh whose "
-                             f"'model' axis is 1, got {self.mesh.shape['model']} (use 'jax')")
-        if attention_impl == "cpu_kernel" and (self.mesh.size > 1 or self.mesh.devices.flat[0].platform != "cpu"):
-            raise ValueError("attention impl 'cpu_kernel' runs on one CPU device; use 'jax' on a mesh or accelerator")
-        if attention_impl == "cpu_kernel" and not load_cpu_attention().available:
-            raise ValueError(f"attention impl 'cpu_kernel' is unavailable here ({load_cpu_attention().reason}); use 'jax'")
-        self.attention_impl = attention_impl
+        self.attention_impl = self.backend.attention_impl
         if kv_spec.num_replicas != self.mesh.shape["data"]:
             raise ValueError(f"the KV cache has {kv_spec.num_replicas} replica(s) but the mesh's data axis is "
                              f"{self.mesh.shape['data']}")
         self.graphdef = graphdef
         defs = (jax.tree.structure(params), jax.tree.structure(rest))
-        kv_sharding = kv_cache_sharding(kv_spec.shape, self.mesh)
+        kv_shape = self.backend.kv_cache_shape(kv_spec.shape)
+        kv_sharding = kv_cache_sharding(kv_shape, self.mesh)
         pinned = kv_sharding if self.mesh.size > 1 else None
         self._step_fn = compiled_step(graphdef, *defs, pinned)  # looked up once: hashing a GraphDef per step costs ~10 ms
         self._chunk_fn = compiled_chunk(graphdef, *defs, pinned)
         # The runner owns its copy (a trainer may update or donate its arrays at any time), laid out
         # by the sharding rules; device_put to a new sharding copies, so copy explicitly otherwise.
-        self.params = shard_params(jax.tree.map(lambda x: x.copy(), params), self.mesh)
+        self.params = shard_params(jax.tree.map(lambda x: x.copy(), params), self.mesh,
+                                   get_family(model.config.family).logical_axes)
         self.rest = jax.device_put(jax.tree.map(lambda x: jnp.array(x, copy=True), rest),
                                    NamedSharding(self.mesh, PartitionSpec()))
         self.kv_spec = kv_spec
-        self.kv_caches = allocate_kv_caches(kv_spec, kv_sharding)
+        self.kv_caches = allocate_kv_caches(kv_shape, kv_spec.dtype, kv_spec.num_layers, kv_sharding)
         self._scalar_sharding = NamedSharding(self.mesh, PartitionSpec())
         self._input_sharding = (self._scalar_sharding if kv_spec.num_replicas == 1
                                 else NamedSharding(self.mesh, PartitionSpec("data")))
         self.buckets = buckets
         self.max_logprobs = max_logprobs
         self.config = model.config
-        self._repack = jax.jit(functools.partial(repack_amx, graphdef), donate_argnums=1) if self.amx.available else None
+        self._repack = (jax.jit(functools.partial(self.backend.refresh, graphdef), donate_argnums=1)
+                        if self.backend.packs_weights else None)
         self._packed_from = tuple(map(id, jax.tree.leaves(self.params)))
         self.drafter = None if draft_head is None else Eagle3Drafter(draft_head, graphdef, defs, kv_spec, self.mesh,
                                                                      pinned)
@@ -142,13 +131,23 @@ class ModelRunner:
                                       has_drafter=draft_head is not None, max_logprobs=max_logprobs)
 
     @property
-    def model(self) -> LlamaForCausalLM:
+    def model(self) -> CausalLM:
         """The model bound to the runner's current parameters."""
         self._refresh_packed(jax.tree.leaves(self.params))
         return nnx.merge(self.graphdef, self.params, self.rest)
 
     def run(self, batch: StepBatch) -> StepResult:
-        """Pad (per replica), run one compiled step, and return the sampled tokens in the batch's order."""
+        """Launch one step and wait for its result (`launch` then `collect`)."""
+        return self.collect(self.launch(batch))
+
+    def collect(self, pending: PendingStep) -> StepResult:
+        """Wait for a launched step; only its sampled ids and requested logprobs come to the host."""
+        return pending.finish(jax.device_get(pending.outputs))
+
+    def launch(self, batch: StepBatch) -> PendingStep:
+        """Pad (per replica) and dispatch one compiled step without waiting for it; the KV caches are
+        donated and replaced by the step's outputs at once, so the next step may be launched before
+        this one is collected."""
         spec = self.kv_spec
         padded, layout = pad_replicas(batch, self.buckets, spec.block_size, spec.num_replicas, spec.blocks_per_replica,
                                       on_mesh=self.mesh.size > 1)
@@ -161,31 +160,37 @@ class ModelRunner:
             device_batch = jax.device_put(padded, shardings)
         leaves = self._leaves()
         num_top = self.max_logprobs if batch.num_top_logprobs > 0 else 0
-        if batch.num_steps is not None and batch.draft_slots is not None:
-            return self._run_draft_verify_steps(batch, leaves, device_batch, layout.row_index, layout.seq_index,
-                                                num_top)
-        if batch.num_steps is not None:
-            return self._run_chunk(batch, leaves, device_batch, layout.row_index, num_top)
-        if batch.draft_slots is not None:
-            return self._run_draft_verify(batch, leaves, device_batch, layout.row_index, layout.seq_index, num_top)
+        multi_step = batch.num_steps is not None
+        if batch.kind == "verify" and batch.draft_slots is not None:  # the EAGLE-3 head drafts in the program
+            launch = self._launch_draft_verify_steps if multi_step else self._launch_draft_verify
+            return launch(batch, leaves, device_batch, layout.row_index, layout.seq_index, num_top)
+        if batch.kind == "decode" and multi_step:
+            return self._launch_chunk(batch, leaves, device_batch, layout.row_index, num_top)
+        if multi_step or batch.draft_slots is not None:
+            raise ValueError(f"a {batch.kind} step takes neither num_steps nor draft_slots")
+        # one step of the plain program: prefill, decode, or verification of drafts made on the host
         self.kv_caches, out, extra, aux = self._step_fn(
             *leaves, self.kv_caches, device_batch,
             num_top=num_top, token_logprobs=batch.target_ids is not None,
             aux_layers=self.drafter.aux_layers if self.drafter is not None else ())
         if self.drafter is not None:  # the head's cache follows every target step, on the device
             self.drafter.fill(leaves, aux, device_batch)
-        out, extra = jax.device_get((out, extra))
         k, tokens = batch.num_top_logprobs, layout.token_index
-        result = _sampled_rows(out, layout.row_index, k)
-        if extra is not None:
-            result = dataclasses.replace(
-                result, token_logprobs=extra.logprobs[tokens], token_top_ids=extra.top_ids[tokens, :k],
-                token_top_logprobs=extra.top_logprobs[tokens, :k])
-        return result
 
-    def _run_chunk(self, batch: StepBatch, leaves: tuple[list[Array], list[Array]], device_batch: DeviceBatch,
-                   rows: np.ndarray, num_top: int) -> StepResult:
-        """A multi-step decode call: rows come back sequence-major, `steps` per sequence."""
+        def finish(host: tuple[SamplerOutput, SamplerOutput | None]) -> StepResult:
+            out, extra = host
+            result = _sampled_rows(out, layout.row_index, k)
+            if extra is not None:
+                result = dataclasses.replace(
+                    result, token_logprobs=extra.logprobs[tokens], token_top_ids=extra.top_ids[tokens, :k],
+                    token_top_logprobs=extra.top_logprobs[tokens, :k])
+            return result
+
+        return PendingStep((out, extra), finish)
+
+    def _launch_chunk(self, batch: StepBatch, leaves: tuple[list[Array], list[Array]], device_batch: DeviceBatch,
+                      rows: np.ndarray, num_top: int) -> PendingStep:
+        """A multi-step decode call: `num_scheduler_steps` steps of one row per sequence."""
         if not batch.is_decode:
             raise ValueError("multi-step decode takes plain decode batches")
         steps = self.num_scheduler_steps
@@ -197,14 +202,14 @@ class ModelRunner:
         else:
             self.kv_caches, out = self._chunk_fn(*leaves, self.kv_caches, device_batch, num_top=num_top,
                                                  max_steps=steps)
-        out = jax.device_get(out)
         k = batch.num_top_logprobs
-        seq_major = lambda x: np.swapaxes(x[:, rows], 0, 1).reshape(len(rows) * steps, *x.shape[2:])  # noqa: E731
-        return StepResult(seq_major(out.token_ids), seq_major(out.logprobs), seq_major(out.top_ids[..., :k]),
-                          seq_major(out.top_logprobs[..., :k]), steps=steps)
+        return PendingStep((out,), lambda host: StepResult(
+            host[0].token_ids[:, rows], host[0].logprobs[:, rows], host[0].top_ids[:, rows, :k],
+            host[0].top_logprobs[:, rows, :k]))
 
-    def _run_draft_verify(self, batch: StepBatch, leaves: tuple[list[Array], list[Array]], device_batch: DeviceBatch,
-                          rows: np.ndarray, seqs: np.ndarray, num_top: int) -> StepResult:
+    def _launch_draft_verify(self, batch: StepBatch, leaves: tuple[list[Array], list[Array]],
+                             device_batch: DeviceBatch, rows: np.ndarray, seqs: np.ndarray, num_top: int
+                             ) -> PendingStep:
         """A verification step whose drafts the EAGLE-3 head makes in the same program."""
         num_drafts = self.buckets.verify_rows - 1
         if self.drafter is None or num_drafts < 1 or batch.target_ids is not None:
@@ -221,15 +226,15 @@ class ModelRunner:
         self.kv_caches, out, drafts, verified = self.drafter.verify(
             leaves, self.kv_caches, device_batch, num_top=num_top, num_steps=num_drafts, plain_rows=plain_rows,
             min_confidence=floor)
-        out, drafts, verified = jax.device_get((out, drafts, verified))
-        return dataclasses.replace(_sampled_rows(out, rows, batch.num_top_logprobs), verified=bool(verified),
-                                   draft_ids=np.asarray(drafts).reshape(-1, num_drafts)[seqs])
+        k = batch.num_top_logprobs
+        return PendingStep((out, drafts, verified), lambda host: dataclasses.replace(
+            _sampled_rows(host[0], rows, k), verified=bool(host[2]),
+            draft_ids=np.asarray(host[1]).reshape(-1, num_drafts)[None, seqs]))
 
-    def _run_draft_verify_steps(self, batch: StepBatch, leaves: tuple[list[Array], list[Array]],
-                                device_batch: DeviceBatch, rows: np.ndarray, seqs: np.ndarray, num_top: int
-                                ) -> StepResult:
-        """Multi-step verification (EAGLE-3, exact replay): row i * num_rows + r of the result is step i's
-        sampled row r, and draft_ids[i * S + s] sequence s's drafts in step i."""
+    def _launch_draft_verify_steps(self, batch: StepBatch, leaves: tuple[list[Array], list[Array]],
+                                   device_batch: DeviceBatch, rows: np.ndarray, seqs: np.ndarray, num_top: int
+                                   ) -> PendingStep:
+        """Multi-step verification (EAGLE-3, exact replay): up to `num_verify_steps` draft-verify steps."""
         num_drafts = self.buckets.verify_rows - 1
         if self.drafter is None or num_drafts < 1 or batch.draft_ids is not None or self.num_verify_steps < 2:
             raise ValueError("multi-step verification needs a draft head, verify buckets (k >= 1), exact replay "
@@ -242,12 +247,15 @@ class ModelRunner:
             raise ValueError(f"a sequence asks for {int(np.max(batch.num_steps))} steps; this runner runs at most {steps}")
         self.kv_caches, out, drafts = self.drafter.verify_steps(leaves, self.kv_caches, device_batch, num_top=num_top,
                                                                 num_steps=num_drafts, max_iters=steps)
-        out, drafts = jax.device_get((out, drafts))
         k, ran = batch.num_top_logprobs, int(np.max(batch.num_steps))  # later steps' buffers stay unwritten
-        flat = lambda x: x[:ran, rows].reshape(ran * len(rows), *x.shape[2:])  # noqa: E731
-        return StepResult(flat(out.token_ids), flat(out.logprobs), flat(out.top_ids[..., :k]),
-                          flat(out.top_logprobs[..., :k]), steps=ran,
-                          draft_ids=drafts[:ran].reshape(ran, -1, num_drafts)[:, seqs].reshape(-1, num_drafts))
+
+        def finish(host: tuple[SamplerOutput, Array]) -> StepResult:
+            out, drafts = host
+            return StepResult(out.token_ids[:ran, rows], out.logprobs[:ran, rows], out.top_ids[:ran, rows, :k],
+                              out.top_logprobs[:ran, rows, :k],
+                              draft_ids=np.asarray(drafts)[:ran].reshape(ran, -1, num_drafts)[:, seqs])
+
+        return PendingStep((out, drafts), finish)
 
     def _leaves(self) -> tuple[list[Array], list[Array]]:
         """Params and rest as the flat leaf lists the compiled programs take; taken per call (not
@@ -258,7 +266,7 @@ class ModelRunner:
         return params, jax.tree.leaves(self.rest)
 
     def _refresh_packed(self, params: list[Array]) -> None:
-        """Recompute the AMX-packed kernels in `rest` if any parameter array was replaced since."""
+        """Recompute the backend's packed weights in `rest` if any parameter array was replaced since."""
         ids = tuple(map(id, params))
         if self._repack is not None and ids != self._packed_from:
             self.rest = self._repack(self.params, self.rest)

@@ -1,4 +1,5 @@
-"""Mesh and sharding rules as data: parameter path -> logical axes -> mesh axes.
+"""Mesh and sharding rules as data: parameter path -> logical axes (each family's rules,
+`runner.models.family.ModelFamily.sharding_rules`) -> mesh axes (LOGICAL_TO_MESH).
 
 Tensor parallelism shards attention heads, MLP columns/rows and the vocabulary over the `model`
 axis; the KV cache is sharded by KV head when the head count divides, replicated otherwise. Data
@@ -10,24 +11,12 @@ The jitted step is partitioned by XLA (GSPMD) from these input shardings.
 
 from __future__ import annotations
 
-import re
+from collections.abc import Callable
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-# (regex over the dotted parameter path, logical axis of each dimension)
-PARAM_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
-    (r"embed_tokens", ("vocab", None)),
-    (r"lm_head\.kernel", (None, "vocab")),
-    (r"layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj)\.kernel", (None, "heads")),
-    (r"layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj)\.bias", ("heads",)),
-    (r"layers\.\d+\.self_attn\.o_proj\.kernel", ("heads", None)),
-    (r"layers\.\d+\.mlp\.(gate_proj|up_proj)\.kernel", (None, "mlp")),
-    (r"layers\.\d+\.mlp\.(gate_proj|up_proj)\.bias", ("mlp",)),
-    (r"layers\.\d+\.mlp\.down_proj\.kernel", ("mlp", None)),
-    (r".*", ()),  # norms, biases of row-parallel layers, buffers: replicated
-)
 KV_CACHE_AXES: tuple[str | None, ...] = ("replica", None, "kv_heads", None, None, None)  # [R, 2, Hkv, P, page, D]
 LOGICAL_TO_MESH: dict[str, str] = {"vocab": "model", "heads": "model", "mlp": "model", "kv_heads": "model",
                                    "replica": "data"}
@@ -62,22 +51,20 @@ def spec_for(shape: tuple[int, ...], logical: tuple[str | None, ...], mesh: Mesh
     return PartitionSpec(*axes)
 
 
-def param_sharding(path: str, shape: tuple[int, ...], mesh: Mesh) -> NamedSharding:
-    """The sharding of one parameter, by the first rule whose pattern matches its path."""
-    for pattern, logical in PARAM_RULES:
-        if re.fullmatch(pattern, path):
-            return NamedSharding(mesh, spec_for(shape, logical, mesh))
-    raise AssertionError("the catch-all rule matches every path")
+def param_sharding(logical: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) -> NamedSharding:
+    """The sharding of one parameter with these logical axes (its family's sharding rules give them)."""
+    return NamedSharding(mesh, spec_for(shape, logical, mesh))
 
 
 def kv_cache_sharding(shape: tuple[int, ...], mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, spec_for(shape, KV_CACHE_AXES, mesh))
 
 
-def shard_params(params: object, mesh: Mesh) -> object:
-    """`params` (an nnx.State or any tree of arrays) placed by PARAM_RULES on `mesh`."""
+def shard_params(params: object, mesh: Mesh, logical_axes: Callable[[str], tuple[str | None, ...]]) -> object:
+    """`params` (an nnx.State or any tree of arrays) placed on `mesh` by the logical axes of each path
+    (a family's `ModelFamily.logical_axes`)."""
     def place(path: tuple, x: jax.Array) -> jax.Array:
         name = ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
         name = name.replace(".value", "")
-        return jax.device_put(x, param_sharding(name, tuple(x.shape), mesh))
+        return jax.device_put(x, param_sharding(logical_axes(name), tuple(x.shape), mesh))
     return jax.tree_util.tree_map_with_path(place, params)

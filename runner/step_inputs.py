@@ -10,6 +10,7 @@ axis), and `ReplicaLayout` maps the padded outputs back to the engine's order.
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 import jax
 import numpy as np
@@ -47,6 +48,9 @@ class SamplingInputs:
     want_logprob: Bool[Array, "S"] | None = None
 
 
+StepKind = Literal["prefill", "decode", "verify"]
+
+
 @dataclasses.dataclass(frozen=True)
 class StepBatch:
     """One step as exact-size host arrays (S sequences, T tokens); built by the engine."""
@@ -65,6 +69,10 @@ class StepBatch:
     processed: np.ndarray  # [S] bool: logprobs of the processed distribution
     suppress_ids: np.ndarray  # [S, MAX_SUPPRESS] ids forbidden this step, -1 = none
     num_top_logprobs: int = 0
+    # what the step does: "prefill" (prompt tokens, chunks, recomputation; samples after each sequence's
+    # last token if it reaches its end), "decode" (one token per sequence, or `num_steps` in one device
+    # loop) or "verify" (each sequence's last token and drafts, a sampled row per token)
+    kind: StepKind = "prefill"
     target_ids: np.ndarray | None = None  # [T] next token of each position: asks for per-token logprobs
     # [N] packed tokens whose logits are sampled (speculative verification samples after every token);
     # None = the last token of each sequence. The sampling arrays above then have N rows, not S.

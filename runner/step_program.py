@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jaxtyping import Array, Float, Int
 
 from runner.attention import AttentionMetadata, paged_slots
-from runner.models.llama import KVCaches, LlamaForCausalLM
+from runner.models.family import CausalLM, KVCaches
 from runner.sampler import SamplerOutput, sample
 from runner.step_inputs import SAMPLER_MODES, DeviceBatch
 
@@ -38,7 +38,7 @@ class TokenLogprobs:
 
 
 def _merge(graphdef: nnx.GraphDef, params_def: jax.tree_util.PyTreeDef, rest_def: jax.tree_util.PyTreeDef,
-           param_leaves: list[Array], rest_leaves: list[Array]) -> LlamaForCausalLM:
+           param_leaves: list[Array], rest_leaves: list[Array]) -> CausalLM:
     return nnx.merge(graphdef, jax.tree.unflatten(params_def, param_leaves), jax.tree.unflatten(rest_def, rest_leaves))
 
 
@@ -51,7 +51,7 @@ def _step(graphdef: nnx.GraphDef, params_def: jax.tree_util.PyTreeDef, rest_def:
                               aux_layers=aux_layers, kv_sharding=kv_sharding)
 
 
-def forward_and_sample(model: LlamaForCausalLM, kv_caches: KVCaches, batch: DeviceBatch, *, num_top: int,
+def forward_and_sample(model: CausalLM, kv_caches: KVCaches, batch: DeviceBatch, *, num_top: int,
                        token_logprobs: bool, aux_layers: tuple[int, ...] = (), kv_sharding: NamedSharding | None = None
                        ) -> tuple[KVCaches, SamplerOutput, TokenLogprobs | None, Float[Array, "R T A"]]:
     """One step's forward over the paged cache (per replica) and sampling of its rows.
@@ -95,7 +95,7 @@ def forward_and_sample(model: LlamaForCausalLM, kv_caches: KVCaches, batch: Devi
 StepHook = Callable[[LoopState, DeviceBatch, Float[Array, "R T A"], Int[Array, "R T"]], LoopState]
 
 
-def decode_loop(model: LlamaForCausalLM, kv_caches: KVCaches, batch: DeviceBatch, state: LoopState, *, num_top: int,
+def decode_loop(model: CausalLM, kv_caches: KVCaches, batch: DeviceBatch, state: LoopState, *, num_top: int,
                 max_steps: int, kv_sharding: NamedSharding | None, aux_layers: tuple[int, ...] = (),
                 after_step: StepHook | None = None) -> tuple[KVCaches, SamplerOutput, LoopState]:
     """Up to `max_steps` decode steps in one device loop (multi-step decode); outputs are `[max_steps, R * N]`.

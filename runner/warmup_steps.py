@@ -87,7 +87,7 @@ class DummySteps:
             q_lens=q_lens, temperature=rep(base.temperature), top_k=rep(base.top_k),
             top_p=rep(base.top_p), min_p=rep(base.min_p), seeds=rep(base.seeds), sample_index=rep(base.sample_index),
             processed=rep(base.processed), suppress_ids=rep(base.suppress_ids), num_top_logprobs=num_top,
-            num_steps=None, suppress_steps=None, stop_ids=None,
+            kind="verify", num_steps=None, suppress_steps=None, stop_ids=None,
             logits_indices=np.arange(n, dtype=np.int32), draft_slots=slots if self.has_drafter else None)
 
     def step(self, decode: bool, n: int, pages: int) -> StepBatch:
@@ -109,7 +109,7 @@ class DummySteps:
             block_tables=[[drop] * pages] * num_seqs, temperature=ones, top_k=np.zeros(num_seqs, np.int32),
             top_p=ones, min_p=0 * ones, seeds=np.zeros(num_seqs, np.uint32),
             sample_index=np.zeros(num_seqs, np.int32), processed=np.zeros(num_seqs, bool),
-            suppress_ids=np.full((num_seqs, MAX_SUPPRESS), -1, np.int32),
+            suppress_ids=np.full((num_seqs, MAX_SUPPRESS), -1, np.int32), kind="decode" if decode else "prefill",
             num_steps=np.ones(num_seqs, np.int32) if chunk else None,
             suppress_steps=np.zeros(num_seqs, np.int32) if chunk else None,
             stop_ids=np.full((num_seqs, MAX_SUPPRESS), -1, np.int32) if chunk else None)

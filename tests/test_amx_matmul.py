@@ -1,7 +1,11 @@
-"""The AMX matmul kernel (`runner/amx_matmul.py`): the exact three-part split, the packed layout, values
+"""The AMX matmul kernel (`runner/backends/cpu/amx_matmul.py`): the exact three-part split, the packed layout, values
 against float64, row independence, gradients, and that the engine repacks after `sync_weights`."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -11,10 +15,13 @@ from flax import nnx
 
 from rollout.engine import Engine
 from rollout.sampling_params import SamplingParams
-from runner import amx_matmul as amx
-from runner.amx_matmul import MIN_ROWS, amx_matmul, load, pack_kernel, shape_fits, split3, unpack_kernel
+from runner.backends.cpu import amx_matmul as amx
+from runner.backends.cpu.amx_matmul import MIN_ROWS, amx_matmul, load, pack_kernel, shape_fits, split3, unpack_kernel
 from runner.models.config import ModelConfig
-from runner.models.llama import Linear, LlamaForCausalLM, with_amx
+from runner.backends.base import Backend
+from runner.backends.cpu.backend import CpuBackend
+from runner.models.llama import Linear, LlamaForCausalLM
+from runner.sharding import make_mesh
 from tests.test_engine import ByteTokenizer
 
 needs_amx = pytest.mark.skipif(not load().available, reason=f"AMX kernel unavailable: {load().reason}")
@@ -84,15 +91,18 @@ CFG = ModelConfig(family="llama", vocab_size=128, hidden_size=64, intermediate_s
 
 @needs_amx
 def test_model_with_amx_computes_the_same_logits() -> None:
-    """Every Linear and the tied output projection get a packed copy; MIN_ROWS tokens or more use it."""
+    """Every Linear and the tied output projection get a packed copy; MIN_ROWS tokens or more use it
+    (AMX from MIN_ROWS rows here, not from the row kernel's limit)."""
     model = LlamaForCausalLM(CFG, rngs=nnx.Rngs(0))
-    fast = with_amx(model)
-    assert all(m.amx_packed is None for _, m in nnx.iter_modules(model) if isinstance(m, Linear))
-    assert all(m.amx_packed is not None for _, m in nnx.iter_modules(fast) if isinstance(m, Linear))
-    assert fast.amx_head is not None and model.amx_head is None
-    plain = with_amx(fast, enabled=False)  # e.g. an AMX engine's `model` handed to a mesh engine
-    assert plain.amx_head is None and all(m.amx_packed is None for _, m in nnx.iter_modules(plain)
-                                          if isinstance(m, Linear))
+    backend = CpuBackend(make_mesh(None), dtype="float32", param_dtype="float32", attention_impl="jax",
+                         amx_from_rows=MIN_ROWS)
+    fast = backend.prepare(model)
+    assert all(m.packed is None for _, m in nnx.iter_modules(model) if isinstance(m, Linear))
+    assert all(m.packed is not None for _, m in nnx.iter_modules(fast) if isinstance(m, Linear))
+    assert fast.packed_head is not None and model.packed_head is None
+    plain = Backend().prepare(fast)  # e.g. an AMX engine's `model` handed to a mesh engine
+    assert plain.packed_head is None and all(m.packed is None for _, m in nnx.iter_modules(plain)
+                                             if isinstance(m, Linear))
     forward = jax.jit(lambda m, i, p: m.compute_logits(m.hidden_states(i, p)))
     for seq in (MIN_ROWS - 1, MIN_ROWS, 40, 130):
         ids = jnp.asarray(np.arange(seq)[None] * 7 % CFG.vocab_size)
@@ -106,12 +116,16 @@ def test_which_rows_go_to_amx(monkeypatch: pytest.MonkeyPatch) -> None:
     are faster); without it (0) or past its limit (the tied head's 8), from MIN_ROWS."""
     assert not amx.takes(MIN_ROWS - 1, 0) and amx.takes(MIN_ROWS, 0)
     assert amx.takes(MIN_ROWS, 8) and not amx.takes(MIN_ROWS, 64)
-    assert not amx.takes(amx.FROM_ROWS - 1, 64) and amx.takes(amx.FROM_ROWS, 64)
+    assert not amx.takes(24, 64, from_rows=25) and amx.takes(25, 64, from_rows=25) and amx.from_rows() == 25
     monkeypatch.setenv("JAX_ROLLOUT_AMX_FROM_ROWS", "sixteen")
     with pytest.raises(ValueError, match="JAX_ROLLOUT_AMX_FROM_ROWS='sixteen': expected a row count"):
-        amx._from_rows()
+        amx.from_rows()
+    # read when used, never at import: a bad value does not break importing the model code
+    code = "import runner.models.llama, runner.backends.cpu.amx_matmul"
+    env = {**os.environ, "JAX_ROLLOUT_AMX_FROM_ROWS": "sixteen"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
     monkeypatch.setenv("JAX_ROLLOUT_AMX_FROM_ROWS", "9")
-    assert amx._from_rows() == 9
+    assert amx.from_rows() == 9
 
 
 @needs_amx

@@ -19,9 +19,10 @@ import pytest
 from flax import nnx
 
 from rollout import Engine, SamplingParams
-from runner.attention import (MULTIPLY_REDUCE_MAX_ROWS, PIECES_PER_GROUP, AttentionMetadata, auto_attention_impl,
-                              paged_attention, ragged_paged_attention, write_kv)
-from runner.cpu_attention import load as load_cpu_attention
+from runner.attention import (MULTIPLY_REDUCE_MAX_ROWS, PIECES_PER_GROUP, AttentionMetadata, paged_attention,
+                              ragged_paged_attention, write_kv)
+from runner.backends import auto_attention_impl
+from runner.backends.cpu.attention import load as load_cpu_attention
 from runner.models.llama import LlamaForCausalLM
 from runner.step_inputs import num_common_pages
 from test_engine import ENGINE_KW, ByteTokenizer, make_model, rand_prompt

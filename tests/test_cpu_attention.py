@@ -1,4 +1,4 @@
-"""The CPU paged-attention kernel (`runner/cpu_attention.py`): values against the float64 reference,
+"""The CPU paged-attention kernel (`runner/backends/cpu/attention.py`): values against the float64 reference,
 row independence (a verification row is bitwise the decode row at its position), and the engine's use."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from rollout import Engine, SamplingParams
-from runner.cpu_attention import MAX_Q_LEN, cpu_paged_attention, load
+from runner.backends.cpu.attention import MAX_Q_LEN, cpu_paged_attention, load
 from test_attention import reference
 from test_engine import ENGINE_KW, ByteTokenizer, make_model, rand_prompt
 

@@ -191,17 +191,17 @@ def record_drafts(engine: Engine) -> list[tuple[list[int], list[int]]]:
     def run(batch):
         result = inner_run(batch)
         if result.draft_ids is not None and result.verified and result.steps == 1:  # an unsure step's drafts are -1
-            assert result.draft_ids.shape == (len(histories), K)
-            log.extend((h, d.tolist()) for h, d in zip(histories, result.draft_ids))
+            assert result.draft_ids.shape == (1, len(histories), K)
+            log.extend((h, d.tolist()) for h, d in zip(histories, result.draft_ids[0]))
         elif result.draft_ids is not None and result.steps > 1:  # multi-step verification: replay acceptance
             num_seqs = len(histories)
-            assert result.draft_ids.shape == (result.steps * num_seqs, K)
+            assert result.draft_ids.shape == (result.steps, num_seqs, K)
             steps = batch.num_steps[::K + 1]  # per sequence (each has K + 1 rows)
             for i in range(result.steps):
                 for s in np.flatnonzero(steps > i):
-                    drafts = result.draft_ids[i * num_seqs + s].tolist()
+                    drafts = result.draft_ids[i, s].tolist()
                     log.append((list(histories[s]), drafts))
-                    rows = result.token_ids[i * num_seqs * (K + 1) + s * (K + 1):][:K + 1].tolist()
+                    rows = result.token_ids[i, s * (K + 1):][:K + 1].tolist()
                     accepted = next((j for j in range(K) if drafts[j] != rows[j]), K)
                     histories[s] += rows[:accepted + 1]
         return result

@@ -182,3 +182,27 @@ def test_random_add_abort_sync_interleavings_lose_nothing(model, ref: Reference)
         c = out.outputs[0]
         if c.finish_reason != "abort":
             assert c.token_ids == ref.greedy(added[rid], len(c.token_ids)), rid
+
+
+def test_a_next_turn_reuses_the_finished_turns_kv(engine: Engine, ref: Reference) -> None:
+    """Multi-turn, token in / token out: the next turn's prompt extends the previous turn's prompt and
+    completion (plus an observation); the full blocks of both come from the prefix cache, and the
+    continuation equals the reference. An aborted request's computed blocks are kept the same way."""
+    first = rand_prompt(np.random.default_rng(7), 20)
+    (turn1,) = engine.generate([first], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    history = first + turn1.outputs[0].token_ids  # 50 tokens: 3 full blocks of 16 were computed
+    observation = rand_prompt(np.random.default_rng(8), 5)
+    before = engine.stats().prefix_cache_hit_tokens
+    (turn2,) = engine.generate([history + observation], SamplingParams(temperature=0.0, max_tokens=10,
+                                                                       ignore_eos=True))
+    assert engine.stats().prefix_cache_hit_tokens - before == 48
+    assert turn2.outputs[0].token_ids == ref.greedy(history + observation, 10)
+    rid = engine.add_request(first, SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
+    while len(engine.requests[rid].seqs[0].output_ids) < 20:
+        engine.step()
+    (partial,) = engine.abort(rid)
+    resumed = first + partial.outputs[0].token_ids
+    before = engine.stats().prefix_cache_hit_tokens
+    (rest,) = engine.generate([resumed], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    assert engine.stats().prefix_cache_hit_tokens - before == 16 * ((len(resumed) - 1) // 16)
+    assert rest.outputs[0].token_ids == ref.greedy(resumed, 8)

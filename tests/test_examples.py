@@ -111,3 +111,13 @@ def test_bench_spec_first_difference() -> None:
     assert bench_spec.first_difference([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 6]]) == (1, 1)
     assert bench_spec.first_difference([[1, 2]], [[1, 2]]) is None
     assert bench_spec.first_difference([[1, 2]], [[1]]) == (0, 1)  # one run stopped earlier
+
+
+def test_every_public_name_is_documented() -> None:
+    """docs/api.md has a section for every name `rollout` exports."""
+    import rollout
+
+    api = Path(__file__).resolve().parent.parent / "docs" / "api.md"
+    headings = {line[3:].strip() for line in api.read_text().splitlines()
+                if line.startswith("## ")}
+    assert set(rollout.__all__) <= headings, sorted(set(rollout.__all__) - headings)

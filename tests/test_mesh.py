@@ -155,14 +155,16 @@ def test_sharded_load_reads_each_device_slice_only(tmp_path, monkeypatch: pytest
     from safetensors.numpy import save_file
 
     import runner.models.loader as loader
+    from runner.models.registry import get_family
 
+    family = get_family(CFG.family)
     model = LlamaForCausalLM(CFG, rngs=nnx.Rngs(5))
     _, params, _ = nnx.split(model, nnx.Param, ...)
     flat = {".".join(map(str, k)): np.asarray(v.value) for k, v in nnx.to_flat_state(params)}
     tensors = {}
     for rule_target, arr in flat.items():
-        hf = next(name for name in _hf_names(CFG) if loader.map_hf_name(name)[0] == rule_target)
-        tensors[hf] = np.ascontiguousarray(arr.T if loader.map_hf_name(hf)[1] else arr)
+        hf = next(name for name in _hf_names(CFG) if family.map_hf_name(name)[0] == rule_target)
+        tensors[hf] = np.ascontiguousarray(arr.T if family.map_hf_name(hf)[1] else arr)
     save_file(tensors, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text(_hf_config_json(CFG))
 
@@ -311,7 +313,9 @@ def test_sharded_load_pads_heads_reading_slices_only(tmp_path, fmt: str, monkeyp
     from helpers_models import hf_config, random_tensors, write_gguf, write_hf_dir
 
     import runner.models.loader as loader
+    from runner.models.registry import get_family
 
+    family = get_family(CFG.family)
     hf = hf_config("llama", num_attention_heads=6, num_key_value_heads=3, hidden_size=48, intermediate_size=64)
     tensors = random_tensors(hf)
     path = (write_hf_dir(tmp_path / "ckpt", hf, tensors) if fmt == "safetensors"

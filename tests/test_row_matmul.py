@@ -1,4 +1,4 @@
-"""The few-row CPU matmul kernel (`runner/row_matmul.py`): values, row independence, gradients, and
+"""The few-row CPU matmul kernel (`runner/backends/cpu/row_matmul.py`): values, row independence, gradients, and
 where the engine uses it."""
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ from flax import nnx
 
 from rollout.engine import Engine
 from rollout.sampling_params import SamplingParams
-from runner.model_runner import row_kernel_status
+from runner.backends.base import XLA_MATMUL
+from runner.backends.cpu.backend import CpuBackend, row_kernel_status
 from runner.models.config import ModelConfig
-from runner.models.llama import Linear, LlamaForCausalLM, with_row_kernel
-from runner.row_matmul import MAX_ROWS, MAX_ROWS_NT, load, row_matmul, row_matmul_nt
+from runner.models.llama import Linear, LlamaForCausalLM
+from runner.backends.cpu.row_matmul import MAX_ROWS, MAX_ROWS_NT, load, row_matmul, row_matmul_nt
 from runner.sharding import make_mesh
 from tests.test_engine import ByteTokenizer
 
@@ -78,10 +79,11 @@ def test_model_with_the_kernel_computes_the_same_logits() -> None:
     """Up to MAX_ROWS tokens take the kernel in Linear layers, up to MAX_ROWS_NT in the tied output
     projection; more take XLA's dot; the original model object is left unchanged."""
     model = LlamaForCausalLM(TIED, rngs=nnx.Rngs(0))
-    fast = with_row_kernel(model, MAX_ROWS)
-    assert all(m.row_kernel_max_rows == 0 for _, m in nnx.iter_modules(model) if isinstance(m, Linear))
-    assert all(m.row_kernel_max_rows == MAX_ROWS for _, m in nnx.iter_modules(fast) if isinstance(m, Linear))
-    assert fast.row_kernel_max_rows == MAX_ROWS_NT
+    backend = CpuBackend(make_mesh(None), dtype="float32", param_dtype="float32", attention_impl="jax", use_amx=False)
+    fast = backend.prepare(model)
+    assert all(m.matmul == XLA_MATMUL for _, m in nnx.iter_modules(model) if isinstance(m, Linear))
+    assert all(m.matmul.row_max_rows == MAX_ROWS for _, m in nnx.iter_modules(fast) if isinstance(m, Linear))
+    assert fast.head_matmul.row_max_rows == MAX_ROWS_NT
     for seq in (1, 4, 8, 12, MAX_ROWS + 3):
         ids = jnp.asarray(np.arange(seq)[None] * 7 % TIED.vocab_size)
         pos = jnp.arange(seq)[None]
@@ -92,10 +94,10 @@ def test_model_with_the_kernel_computes_the_same_logits() -> None:
 
 def test_where_the_engine_uses_it() -> None:
     model = LlamaForCausalLM(TIED, rngs=nnx.Rngs(0))
-    assert row_kernel_status(make_mesh(None), model).available
-    assert "mesh" in row_kernel_status(make_mesh((2, 1)), model).reason
-    bf16 = LlamaForCausalLM(TIED.with_dtype("bfloat16"), rngs=nnx.Rngs(0))
-    assert "float32" in row_kernel_status(make_mesh(None), bf16).reason
+    assert row_kernel_status(make_mesh(None), "float32", "float32").available
+    assert "mesh" in row_kernel_status(make_mesh((2, 1)), "float32", "float32").reason
+    assert "float32" in row_kernel_status(make_mesh(None), "bfloat16", "bfloat16").reason
+    assert "cpu_row_kernel=False" in row_kernel_status(make_mesh(None), "float32", "float32", enabled=False).reason
     engine = Engine.from_model(model, ByteTokenizer(), max_num_seqs=4, max_model_len=64,
                                max_num_batched_tokens=32, block_size=16)
     assert engine.stats().cpu_row_kernel == "ok"

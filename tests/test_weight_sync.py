@@ -224,7 +224,7 @@ def test_failure_is_atomic() -> None:
     before = flat(state)
     src = to_hf(trained)
     del src["model.layers.1.mlp.up_proj.weight"]  # missing
-    src["model.layers.0.mlp.extra.weight"] = np.zeros((4, 4), np.float32)  # maps to an unknown target
+    src["model.layers.0.mlp.extra.weight"] = np.zeros((4, 4), np.float32)  # no row of the family's name table
     src["model.layers.9.bogus"] = np.zeros((4,), np.float32)  # unmapped
     src["model.layers.0.self_attn.k_proj.weight"] = np.zeros((8, 32), np.float32)  # wrong shape
     src["model.layers.0.self_attn.v_proj.bias"] = np.zeros((16,), np.int32)  # non-float into float
@@ -234,7 +234,7 @@ def test_failure_is_atomic() -> None:
     assert isinstance(err, ValueError) and len(err.problems) == 5, err
     msg = str(err)
     for needle in ("'layers.1.mlp.up_proj.kernel' [32, 64] is not filled", "model.layers.9.bogus' [4] matches no rule",
-                   "layers.0.mlp.extra.kernel'], which the target lacks", "shape [32, 8] after transform != target [32, 16]",
+                   "'model.layers.0.mlp.extra.weight' [4, 4] matches no rule", "shape [32, 8] after transform != target [32, 16]",
                    "cannot cast int32 to float32"):
         assert needle in msg, msg
     # NaN / Inf with check_finite: all offenders in one error, nothing changed
@@ -249,7 +249,7 @@ def test_failure_is_atomic() -> None:
     with pytest.raises(ws.WeightSyncError, match="differs"):
         ws.apply(plan, {k: v for k, v in src.items() if "lm_head" not in k}, state)
     # duplicate targets
-    rules = ws.hf() + (ws.Rule("extra.q", "layers.0.self_attn.q_proj.kernel"),)
+    rules = ws.resolve("hf") + (ws.Rule("extra.q", "layers.0.self_attn.q_proj.kernel"),)
     with pytest.raises(ws.WeightSyncError, match="filled 2 times"):
         ws.plan({**to_hf(trained), "extra.q": np.zeros((32, 32), np.float32)}, state, rules)
     after = flat(state)

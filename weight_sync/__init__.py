@@ -1,9 +1,10 @@
 """weight_sync: move a trainer's parameters into the engine's state, validated, tensor by tensor.
 
-    plan = weight_sync.plan(src_tree, target_state, mapping="hf")   # validate (shapes/dtypes only)
+    plan = weight_sync.plan(src_tree, target_state, mapping=rules)  # validate (shapes/dtypes only)
     weight_sync.apply(plan, src_tree, target_state)                  # sync; repeat with new values
 
-Usable on its own by a trainer: it imports neither `runner` nor `rollout`.
+Usable on its own by a trainer: it imports neither `runner` nor `rollout` (the HF-name presets "hf",
+"hf-strict", "hf-fused" come from a model family's name table: `runner.models.registry` registers them).
 """
 
 from weight_sync.apply import abstract_leaves, apply
@@ -12,10 +13,10 @@ from weight_sync.errors import WeightSyncError
 from weight_sync.lora import LoraPair, merge_lora, plan_lora
 from weight_sync.paths import FlatTree, flatten
 from weight_sync.plan import SyncPlan, TargetOp, Transform, plan
-from weight_sync.presets import hf, hf_fused, identity, resolve
+from weight_sync.presets import identity, register, resolve
 from weight_sync.rules import Rule, Split
 
 __all__ = [
     "CompileCounter", "FlatTree", "LoraPair", "Rule", "Split", "SyncPlan", "TargetOp", "Transform", "WeightSyncError",
-    "abstract_leaves", "apply", "flatten", "hf", "hf_fused", "identity", "merge_lora", "plan", "plan_lora", "resolve",
+    "abstract_leaves", "apply", "flatten", "identity", "merge_lora", "plan", "plan_lora", "register", "resolve",
 ]

@@ -2,24 +2,22 @@
 
 - `identity()` (`mapping=None` or `"identity"`): the project's own model class on both sides,
   same paths, same layouts (any depth up to 12 components).
-- `hf()` (`"hf"`): Hugging-Face names and PyTorch `[out, in]` layouts -> the engine's
-  `LlamaForCausalLM` (`[in, out]` kernels, `.scale` norms, `embed_tokens` `[V, H]` unchanged,
-  `lm_head.weight [V, H]` -> `lm_head.kernel [H, V]`). Rotary `inv_freq` buffers are dropped.
-  Tied embeddings: HF's `state_dict()` of a tied model still lists `lm_head.weight` (the
-  embedding under a second name); `hf()` drops it when the target has no `lm_head.kernel`.
-  Shapes alone cannot prove it was tied on the trainer's side; `"hf-strict"` (`tied_lm_head=
-  "error"`) reports it instead.
-- `hf_fused()` (`"hf-fused"`): `hf()` plus a trainer with fused `self_attn.qkv_proj.weight`
-  (`[q|k|v, H]`, concatenated on the output axis) and fused `mlp.gate_up_proj.weight`
-  (`[gate|up, H]`), each split into the engine's separate kernels (sizes from the targets).
+- `"hf"`, `"hf-strict"`, `"hf-fused"`: registered by each model family from its one name table
+  (`runner/models/family.py: ModelFamily.sync_rules`; importing `runner.models.registry` registers the
+  default Llama family's): Hugging-Face names and PyTorch `[out, in]` layouts -> the engine's model
+  (`[in, out]` kernels, `.scale` norms, `lm_head.weight [V, H]` -> `lm_head.kernel [H, V]`), rotary
+  `inv_freq` buffers dropped. A tied model's `state_dict()` still lists `lm_head.weight`: "hf" drops
+  it when the target has no `lm_head.kernel`, "hf-strict" reports it; "hf-fused" also splits fused
+  `self_attn.qkv_proj` (`[q|k|v, H]`) and `mlp.gate_up_proj` (`[gate|up, H]`) sources.
 - `eagle3_hf()` (`"eagle3-hf"`): a draft head in the published EAGLE-3 layout -> the engine's head.
 """
 
 from __future__ import annotations
 
-from typing import Literal, Sequence
+from collections.abc import Callable
+from typing import Sequence
 
-from weight_sync.rules import Rule, Split
+from weight_sync.rules import Rule
 
 MappingLike = str | Sequence[Rule] | None
 
@@ -29,41 +27,6 @@ _T = (1, 0)
 def identity(max_depth: int = 12) -> tuple[Rule, ...]:
     """Every path maps to itself, unchanged."""
     return tuple(Rule(".".join("*" * d), ".".join("*" * d)) for d in range(1, max_depth + 1))
-
-
-def hf(*, tied_lm_head: Literal["drop", "error"] = "drop") -> tuple[Rule, ...]:
-    """Hugging-Face Llama/Qwen2/Qwen3 names -> the engine's LlamaForCausalLM."""
-    L = "model.layers.*"
-    return (
-        Rule("model.rotary_emb.inv_freq", None),
-        Rule(f"{L}.self_attn.rotary_emb.inv_freq", None),
-        Rule("model.embed_tokens.weight", "embed_tokens"),
-        Rule("model.norm.weight", "norm.scale"),
-        Rule(f"{L}.input_layernorm.weight", "layers.*.input_layernorm.scale"),
-        Rule(f"{L}.post_attention_layernorm.weight", "layers.*.post_attention_layernorm.scale"),
-        Rule(f"{L}.self_attn.q_norm.weight", "layers.*.self_attn.q_norm.scale"),
-        Rule(f"{L}.self_attn.k_norm.weight", "layers.*.self_attn.k_norm.scale"),
-        Rule(f"{L}.self_attn.*.weight", "layers.*.self_attn.*.kernel", transpose=_T),
-        Rule(f"{L}.self_attn.*.bias", "layers.*.self_attn.*.bias"),
-        Rule(f"{L}.mlp.*.weight", "layers.*.mlp.*.kernel", transpose=_T),
-        Rule(f"{L}.mlp.*.bias", "layers.*.mlp.*.bias"),
-        Rule("lm_head.weight", "lm_head.kernel", transpose=_T, drop_if_target_missing=tied_lm_head == "drop"),
-    )
-
-
-def hf_fused() -> tuple[Rule, ...]:
-    """`hf()` plus fused `qkv_proj` / `gate_up_proj` sources split into separate kernels."""
-    L = "model.layers.*"
-    return (
-        Rule(f"{L}.self_attn.qkv_proj.weight",
-             ("layers.*.self_attn.q_proj.kernel", "layers.*.self_attn.k_proj.kernel", "layers.*.self_attn.v_proj.kernel"),
-             transpose=_T, split=Split(axis=1)),
-        Rule(f"{L}.self_attn.qkv_proj.bias",
-             ("layers.*.self_attn.q_proj.bias", "layers.*.self_attn.k_proj.bias", "layers.*.self_attn.v_proj.bias"),
-             split=Split(axis=0)),
-        Rule(f"{L}.mlp.gate_up_proj.weight", ("layers.*.mlp.gate_proj.kernel", "layers.*.mlp.up_proj.kernel"),
-             transpose=_T, split=Split(axis=1)),
-    ) + hf()
 
 
 def eagle3_hf() -> tuple[Rule, ...]:
@@ -83,13 +46,16 @@ def eagle3_hf() -> tuple[Rule, ...]:
     )
 
 
-_NAMED = {
+_NAMED: dict[str, Callable[[], tuple[Rule, ...]]] = {
     "identity": identity,
-    "hf": hf,
-    "hf-strict": lambda: hf(tied_lm_head="error"),
-    "hf-fused": hf_fused,
     "eagle3-hf": eagle3_hf,
 }
+FAMILY_PRESETS = ("hf", "hf-strict", "hf-fused")  # registered by `runner.models.registry` from a name table
+
+
+def register(name: str, rules: Callable[[], tuple[Rule, ...]]) -> None:
+    """Make `rules()` available as the preset `name` (model families register their name tables)."""
+    _NAMED[name] = rules
 
 
 def resolve(mapping: MappingLike) -> tuple[Rule, ...]:
@@ -98,7 +64,9 @@ def resolve(mapping: MappingLike) -> tuple[Rule, ...]:
         return identity()
     if isinstance(mapping, str):
         if mapping not in _NAMED:
-            raise ValueError(f"unknown mapping preset {mapping!r}; known: {', '.join(_NAMED)}")
+            hint = (f"; {mapping!r} comes from a model family's name table: import runner.models.registry (the "
+                    "engine does) or pass family.sync_rules()" if mapping in FAMILY_PRESETS else "")
+            raise ValueError(f"unknown mapping preset {mapping!r}; known: {', '.join(_NAMED)}{hint}")
         return _NAMED[mapping]()
     rules = tuple(mapping)
     bad = [r for r in rules if not isinstance(r, Rule)]

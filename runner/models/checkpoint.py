@@ -32,49 +32,24 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from runner.models.config import ModelConfig
+from runner.models.family import ModelFamily
+from runner.models.llama_family import LLAMA
+from runner.models.registry import FAMILIES
 from runner.models.gguf_tensor import GGUFTensor
 from runner.models.torch_checkpoint import read_torch_state_dict
 
-SUPPORTED_GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
-    # general.architecture -> (HF architectures[0], HF model_type)
-    "llama": ("LlamaForCausalLM", "llama"),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
-}
 
-# GGUF tensor name -> Hugging Face name. Per-layer names are `blk.{N}.{key}` -> `model.layers.{N}.{value}`.
-GGUF_GLOBAL_TENSORS: dict[str, str] = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-GGUF_LAYER_TENSORS: dict[str, str] = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_output.bias": "self_attn.o_proj.bias",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_gate.bias": "mlp.gate_proj.bias",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_up.bias": "mlp.up_proj.bias",
-    "ffn_down.weight": "mlp.down_proj.weight",
-    "ffn_down.bias": "mlp.down_proj.bias",
-}
-# Per-layer GGUF tensors that llama.cpp permuted for `llama` models -> whose head count to use.
-GGUF_LLAMA_PERMUTED: dict[str, str] = {
-    "attn_q.weight": "num_attention_heads",
-    "attn_q.bias": "num_attention_heads",
-    "attn_k.weight": "num_key_value_heads",
-    "attn_k.bias": "num_key_value_heads",
-}
+
+def gguf_tables(family: ModelFamily) -> tuple[dict[str, str], dict[str, str]]:
+    """Views of a family's name table: GGUF -> HF names of the global tensors, and of the per-layer
+    ones (`blk.{N}.{key}` -> `model.layers.{N}.{value}`)."""
+    glob = {e.gguf: e.hf for e in family.names if e.gguf is not None and "*" not in e.gguf}
+    layer = {e.gguf.removeprefix("blk.*."): e.hf.removeprefix("model.layers.*.") for e in family.names
+             if e.gguf is not None and e.gguf.startswith("blk.*.")}
+    return glob, layer
+
+
+GGUF_GLOBAL_TENSORS, GGUF_LAYER_TENSORS = gguf_tables(LLAMA)
 GGUF_ROPE_FREQS = "rope_freqs.weight"
 
 # `{arch}.{key}` GGUF metadata -> (HF config key, converter, required).
@@ -345,10 +320,11 @@ def _read_gguf(path: str) -> Checkpoint:
             raise ValueError(f"{path}: GGUF file is truncated (tensor {t.name!r} extends past end of file)")
 
     arch = _field(reader, "general.architecture")
-    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
-        raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; supported: "
-                         f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
-    hf_arch, model_type = SUPPORTED_GGUF_ARCHITECTURES[arch]
+    if arch not in FAMILIES:
+        raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(FAMILIES)}")
+    family = FAMILIES[arch]
+    hf_arch, model_type = family.architectures[0], family.name
+    global_tensors, layer_tensors = gguf_tables(family)
     by_name = {t.name: t for t in reader.tensors}
 
     hf_config: dict[str, Any] = {"architectures": [hf_arch], "model_type": model_type}
@@ -390,10 +366,10 @@ def _read_gguf(path: str) -> Checkpoint:
         if t.name == GGUF_ROPE_FREQS:
             continue
         m = layer_re.fullmatch(t.name)
-        if m and m.group(2) in GGUF_LAYER_TENSORS and int(m.group(1)) < n_layers:
-            hf_name, key = f"model.layers.{int(m.group(1))}.{GGUF_LAYER_TENSORS[m.group(2)]}", m.group(2)
-        elif t.name in GGUF_GLOBAL_TENSORS:
-            hf_name, key = GGUF_GLOBAL_TENSORS[t.name], t.name
+        if m and m.group(2) in layer_tensors and int(m.group(1)) < n_layers:
+            hf_name, key = f"model.layers.{int(m.group(1))}.{layer_tensors[m.group(2)]}", f"blk.*.{m.group(2)}"
+        elif t.name in global_tensors:
+            hf_name, key = global_tensors[t.name], t.name
         else:
             unknown.append(t.name)
             continue
@@ -411,15 +387,15 @@ def _read_gguf(path: str) -> Checkpoint:
         got = (want[0], *probe.shape[1:]) if two_d else probe.shape
         if got != want:
             raise ValueError(f"{path}: GGUF tensor {t.name!r} dequantized to shape {got}, expected {want}")
-        permuted = arch == "llama" and key in GGUF_LLAMA_PERMUTED
+        permuted = key in family.gguf_permuted
         if two_d:
-            order = (reverse_llama_permute(np.arange(want[0]), hf_config[GGUF_LLAMA_PERMUTED[key]]) if permuted
+            order = (reverse_llama_permute(np.arange(want[0]), hf_config[family.gguf_permuted[key]]) if permuted
                      else None)
             arr: np.ndarray | GGUFTensor = GGUFTensor(t.data, t.tensor_type, want, order)
         else:
             arr = np.array(probe)  # norms and biases: small, read now (a copy out of the memmap)
             if permuted:
-                arr = reverse_llama_permute(arr, hf_config[GGUF_LLAMA_PERMUTED[key]])
+                arr = reverse_llama_permute(arr, hf_config[family.gguf_permuted[key]])
         tensors[hf_name], tensor_dtypes[hf_name] = arr, t.tensor_type.name
     if unknown:
         raise ValueError(f"{path}: GGUF tensors with no Hugging Face mapping for a {n_layers}-layer {arch} model: "

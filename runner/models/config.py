@@ -7,11 +7,6 @@ from typing import Mapping
 
 from runner.models.head_layout import HeadLayout
 
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
 SUPPORTED_DTYPES = ("float32", "bfloat16")
 
 
@@ -29,7 +24,7 @@ class RopeScaling:
 class ModelConfig:
     """Hyper-parameters of one Llama-family decoder (Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3)."""
 
-    family: str  # "llama" | "qwen2" | "qwen3"
+    family: str  # a key of `runner.models.registry.FAMILIES`: "llama" | "qwen2" | "qwen3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -55,8 +50,9 @@ class ModelConfig:
     head_layout: HeadLayout | None = None
 
     def __post_init__(self) -> None:
-        if self.family not in SUPPORTED_ARCHITECTURES.values():
-            raise ValueError(f"unknown model family {self.family!r}")
+        from runner.models.registry import get_family  # the registry imports this module
+
+        get_family(self.family)  # an unknown family raises, naming the supported ones
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim"):
             if getattr(self, name) <= 0:
@@ -81,18 +77,9 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, hf: Mapping[str, object], *, dtype: str = "float32") -> "ModelConfig":
         """Build from the contents of a Hugging Face `config.json`."""
-        archs = hf.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            model_type = hf.get("model_type")
-            by_type = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
-            if model_type in by_type:
-                arch = by_type[model_type]
-            else:
-                raise ValueError(
-                    f"unsupported architecture {archs or model_type!r}; supported: "
-                    f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-        family = SUPPORTED_ARCHITECTURES[arch]
+        from runner.models.registry import family_for_hf  # the registry imports this module
+
+        family = family_for_hf(hf)
         try:
             hidden = int(hf["hidden_size"])
             n_heads = int(hf["num_attention_heads"])
@@ -118,13 +105,10 @@ class ModelConfig:
                     original_max_position_embeddings=int(scaling["original_max_position_embeddings"]))
             elif kind not in (None, "default"):
                 raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: llama3")
-        if family == "qwen2" and hf.get("use_sliding_window"):
-            raise ValueError("Qwen2 with use_sliding_window=true is not supported")
         eos = hf.get("eos_token_id")
         eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
-        attention_bias = bool(hf.get("attention_bias", False))
         return cls(
-            family=family,
+            family=family.name,
             vocab_size=vocab,
             hidden_size=hidden,
             intermediate_size=inter,
@@ -137,12 +121,10 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=True if family == "qwen2" else attention_bias,
-            o_bias=False if family == "qwen2" else attention_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm=family == "qwen3",
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
             param_dtype=dtype,
             dtype=dtype,
+            **family.config_fields(hf),  # qkv_bias, o_bias, qk_norm, ...
         )

@@ -9,7 +9,6 @@ Flax `[in, out]` kernels.
 from __future__ import annotations
 
 import math
-from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -17,20 +16,14 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from runner import amx_matmul as amx
 from runner.attention import AttentionMetadata, causal_attention, paged_attention, write_kv
+from runner.backends.base import XLA_MATMUL, XLA_MATMUL_NT, Matmul, PackedKernel
 from runner.models.config import ModelConfig
-from runner.row_matmul import MAX_ROWS_NT, row_matmul, row_matmul_nt
-
-KVCaches = tuple[Float[Array, "2 Hkv P page D"], ...]
+from runner.models.family import AttentionSpec, KVCaches
 
 
 def _dtype(name: str) -> jnp.dtype:
     return jnp.dtype(name)
-
-
-class AmxPacked(nnx.Variable):
-    """A kernel split and packed for `runner.amx_matmul` (derived from the `Param`, not trained or synced)."""
 
 
 class Linear(nnx.Module):
@@ -41,18 +34,12 @@ class Linear(nnx.Module):
         self.kernel = nnx.Param(init(rngs.params(), (in_features, out_features), _dtype(cfg.param_dtype)))
         self.bias = nnx.Param(jnp.zeros((out_features,), _dtype(cfg.param_dtype))) if bias else None
         self.compute_dtype = _dtype(cfg.dtype)
-        self.row_kernel_max_rows = 0  # > 0: up to this many rows on `runner.row_matmul` (`with_row_kernel`)
-        self.amx_packed: AmxPacked | None = nnx.data(None)  # set: rows `amx.takes` on `runner.amx_matmul` (`with_amx`)
+        self.matmul: Matmul = XLA_MATMUL  # the engine's backend puts its kernel here (`Backend.prepare`)
+        self.packed: PackedKernel | None = nnx.data(None)  # the kernel laid out for `matmul`, if it wants one
 
     def __call__(self, x: Float[Array, "... in"]) -> Float[Array, "... out"]:
         x, w = x.astype(self.compute_dtype), self.kernel[...].astype(self.compute_dtype)
-        rows = math.prod(x.shape[:-1])
-        if self.amx_packed is not None and amx.takes(rows, self.row_kernel_max_rows):
-            y = amx.amx_matmul(x, self.amx_packed[...])
-        elif 0 < rows <= self.row_kernel_max_rows:
-            y = row_matmul(x, w)
-        else:
-            y = jnp.dot(x, w)
+        y = self.matmul(x, w, None if self.packed is None else self.packed[...])
         if self.bias is not None:
             y = y + self.bias[...].astype(self.compute_dtype)
         return y
@@ -104,8 +91,11 @@ def apply_rope(x: Float[Array, "... H D"], positions: Int[Array, "..."], inv_fre
 class Attention(nnx.Module):
     """Grouped-query self-attention with optional QKV bias (Qwen2) and per-head Q/K norm (Qwen3)."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, spec: AttentionSpec):
+        if spec.sliding_window is not None or spec.logit_soft_cap is not None:
+            raise ValueError("this attention has no sliding window or logit soft-cap yet")
         h, d = cfg.hidden_size, cfg.head_dim
+        self.scale = spec.scale
         self.q_proj = Linear(h, cfg.num_attention_heads * d, bias=cfg.qkv_bias, cfg=cfg, rngs=rngs)
         self.k_proj = Linear(h, cfg.num_key_value_heads * d, bias=cfg.qkv_bias, cfg=cfg, rngs=rngs)
         self.v_proj = Linear(h, cfg.num_key_value_heads * d, bias=cfg.qkv_bias, cfg=cfg, rngs=rngs)
@@ -129,14 +119,14 @@ class Attention(nnx.Module):
     def __call__(self, x: Float[Array, "B S H"], positions: Int[Array, "B S"],
                  attention_mask: Int[Array, "B S"] | None) -> Float[Array, "B S H"]:
         q, k, v = self.qkv(x, positions)
-        o = causal_attention(q, k, v, sm_scale=self.head_dim ** -0.5, attention_mask=attention_mask)
+        o = causal_attention(q, k, v, sm_scale=self.scale, attention_mask=attention_mask)
         return self.o_proj(o.reshape(*x.shape[:-1], -1))
 
     def paged(self, x: Float[Array, "T H"], positions: Int[Array, "T"], kv_pages: Float[Array, "2 Hkv P page D"],
               md: AttentionMetadata) -> tuple[Float[Array, "T H"], Float[Array, "2 Hkv P page D"]]:
         q, k, v = self.qkv(x, positions)
         kv_pages = write_kv(kv_pages, k, v, md.slot_mapping)
-        o = paged_attention(q, kv_pages, md, sm_scale=self.head_dim ** -0.5)
+        o = paged_attention(q, kv_pages, md, sm_scale=self.scale)
         return self.o_proj(o.reshape(x.shape[0], -1)), kv_pages
 
 
@@ -156,9 +146,9 @@ class MLP(nnx.Module):
 class DecoderLayer(nnx.Module):
     """Pre-norm residual block: attention then MLP."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, spec: AttentionSpec):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, cfg=cfg)
-        self.self_attn = Attention(cfg, rngs)
+        self.self_attn = Attention(cfg, rngs, spec)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, cfg=cfg)
         self.mlp = MLP(cfg, rngs)
 
@@ -181,12 +171,15 @@ class LlamaForCausalLM(nnx.Module):
         self.config = cfg
         init = jax.nn.initializers.normal(stddev=0.02)
         self.embed_tokens = nnx.Param(init(rngs.params(), (cfg.vocab_size, cfg.hidden_size), _dtype(cfg.param_dtype)))
-        self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_hidden_layers)])
+        from runner.models.registry import get_family  # the registry imports this module
+
+        spec = get_family(cfg.family).attention_spec
+        self.layers = nnx.List([DecoderLayer(cfg, rngs, spec(cfg, i)) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, cfg=cfg)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
             cfg.hidden_size, cfg.vocab_size, bias=False, cfg=cfg, rngs=rngs)
-        self.row_kernel_max_rows = 0  # the tied output projection's; see `with_row_kernel`
-        self.amx_head: AmxPacked | None = nnx.data(None)  # the tied embedding packed as `[H, V]`; see `with_amx`
+        self.head_matmul: Matmul = XLA_MATMUL_NT  # the tied output projection's (`Backend.prepare`)
+        self.packed_head: PackedKernel | None = nnx.data(None)  # the tied embedding laid out for `head_matmul`
 
     def embed(self, input_ids: Int[Array, "..."]) -> Float[Array, "... H"]:
         return self.embed_tokens[...][input_ids].astype(_dtype(self.config.dtype))
@@ -195,16 +188,15 @@ class LlamaForCausalLM(nnx.Module):
         """The output projection as one row per token id (the embedding when tied)."""
         return self.embed_tokens[...] if self.lm_head is None else self.lm_head.kernel[...].T
 
+    def tied_output_rows(self) -> Float[Array, "V H"] | None:
+        """The embedding when it is also the output projection (what `head_matmul` multiplies), else None."""
+        return self.embed_tokens[...] if self.lm_head is None else None
+
     def compute_logits(self, hidden: Float[Array, "... H"]) -> Float[Array, "... V"]:
         """Final-norm'd hidden states -> float32 logits."""
         if self.lm_head is None:
-            w, rows = self.embed_tokens[...].astype(hidden.dtype), math.prod(hidden.shape[:-1])
-            if self.amx_head is not None and amx.takes(rows, self.row_kernel_max_rows):
-                logits = amx.amx_matmul(hidden, self.amx_head[...])
-            elif 0 < rows <= self.row_kernel_max_rows:
-                logits = row_matmul_nt(hidden, w)
-            else:
-                logits = jnp.einsum("...h,vh->...v", hidden, w)
+            w = self.embed_tokens[...].astype(hidden.dtype)
+            logits = self.head_matmul(hidden, w, None if self.packed_head is None else self.packed_head[...])
         else:
             logits = self.lm_head(hidden)
         return logits.astype(jnp.float32)
@@ -250,58 +242,3 @@ class LlamaForCausalLM(nnx.Module):
 
 def _concat_aux(aux: list[Array], like: Array) -> Array:
     return jnp.concatenate(aux, axis=-1) if aux else jnp.zeros((*like.shape[:-1], 0), like.dtype)
-
-
-ModuleT = TypeVar("ModuleT", bound=nnx.Module)
-
-
-def with_row_kernel(module: ModuleT, max_rows: int) -> ModuleT:
-    """A copy of `module` (sharing its arrays) whose `Linear` layers compute steps of up to `max_rows`
-    rows with `runner.row_matmul`, its tied output projection up to min(max_rows, MAX_ROWS_NT) (0: XLA's
-    dot everywhere)."""
-    copy = nnx.merge(*nnx.split(module))
-    for _, sub in nnx.iter_modules(copy):
-        if isinstance(sub, Linear):
-            sub.row_kernel_max_rows = max_rows
-        elif isinstance(sub, LlamaForCausalLM):
-            sub.row_kernel_max_rows = min(max_rows, MAX_ROWS_NT)
-    return copy
-
-
-def _amx_kernel(sub: nnx.Module) -> Array | None:
-    """The `[K, N]` float32 kernel `with_amx` packs for this module (a Linear's kernel, a tied output
-    projection's `[H, V]` embedding), or None where it packs nothing."""
-    if isinstance(sub, Linear) and sub.compute_dtype == jnp.float32:
-        w = sub.kernel[...]
-    elif isinstance(sub, LlamaForCausalLM) and sub.lm_head is None and sub.config.dtype == "float32":
-        w = sub.embed_tokens[...].T
-    else:
-        return None
-    return w if amx.shape_fits(w) else None
-
-
-def with_amx(module: ModuleT, enabled: bool = True) -> ModuleT:
-    """A copy of `module` (sharing its arrays) whose float32 `Linear` layers of AMX-friendly shapes keep a
-    packed copy of their kernel and compute the steps `amx.takes` (9+ rows the row kernel leaves) on `runner.amx_matmul`
-    (needs `amx.load().available`). Refresh the packed copies after changing the kernels: `repack_amx`.
-    `enabled=False`: a copy without packed kernels (a model taken from an engine that had them)."""
-    copy = nnx.merge(*nnx.split(module))
-    for _, sub in nnx.iter_modules(copy):
-        if isinstance(sub, Linear | LlamaForCausalLM):
-            w = _amx_kernel(sub) if enabled else None
-            packed = AmxPacked(amx.pack_kernel(w)) if w is not None else nnx.data(None)
-            if isinstance(sub, Linear):
-                sub.amx_packed = packed
-            else:
-                sub.amx_head = packed
-    return copy
-
-
-def repack_amx(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State) -> nnx.State:
-    """`rest` with every `AmxPacked` recomputed from its layer's current kernel (jit it; donate `rest`)."""
-    model = nnx.merge(graphdef, params, rest)
-    for _, sub in nnx.iter_modules(model):
-        packed = sub.amx_packed if isinstance(sub, Linear) else sub.amx_head if isinstance(sub, LlamaForCausalLM) else None
-        if packed is not None:
-            packed.value = amx.pack_kernel(_amx_kernel(sub))
-    return nnx.split(model, nnx.Param, ...)[2]

@@ -1,7 +1,8 @@
 """`load_model`: a checkpoint (HF directory, GGUF file, or the embedded default) -> NNX model + config.
 
-The Hugging Face name -> model parameter mapping is a table of patterns; loading fails loudly on
-checkpoint tensors it does not map, on model parameters nothing fills, and on shape mismatches.
+The Hugging Face name -> model parameter mapping is the family's name table (`runner.models.registry`);
+loading fails loudly on checkpoint tensors it does not map, on model parameters nothing fills, and on
+shape mismatches. `NameRule` / `map_hf_name` map other regex tables (the EAGLE-3 head's).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from jax.sharding import Mesh
 from runner.models.checkpoint import read_checkpoint
 from runner.models.config import ModelConfig
 from runner.models.head_layout import Expansion, expand, stored_config
-from runner.models.llama import LlamaForCausalLM, rope_inv_freq
+from runner.models.family import CausalLM
+from runner.models.registry import build_model, get_family
 from runner.sharding import param_sharding
 
 
@@ -31,24 +33,7 @@ class NameRule:
     transpose: bool = False
 
 
-HF_RULES: tuple[NameRule, ...] = (
-    NameRule(r"model\.embed_tokens\.weight", "embed_tokens"),
-    NameRule(r"model\.norm\.weight", "norm.scale"),
-    NameRule(r"lm_head\.weight", "lm_head.kernel", transpose=True),
-    NameRule(r"model\.layers\.(\d+)\.(input_layernorm|post_attention_layernorm)\.weight", "layers.{0}.{1}.scale"),
-    NameRule(r"model\.layers\.(\d+)\.self_attn\.(q_norm|k_norm)\.weight", "layers.{0}.self_attn.{1}.scale"),
-    NameRule(r"model\.layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|o_proj)\.weight",
-             "layers.{0}.self_attn.{1}.kernel", transpose=True),
-    NameRule(r"model\.layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|o_proj)\.bias", "layers.{0}.self_attn.{1}.bias"),
-    NameRule(r"model\.layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)\.weight", "layers.{0}.mlp.{1}.kernel",
-             transpose=True),
-    NameRule(r"model\.layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)\.bias", "layers.{0}.mlp.{1}.bias"),
-)
-# Buffers some checkpoints carry that are recomputed here, never loaded.
-IGNORED_HF = (re.compile(r".*rotary_emb\.inv_freq"),)
-
-
-def map_hf_name(name: str, rules: tuple[NameRule, ...] = HF_RULES) -> tuple[str, bool] | None:
+def map_hf_name(name: str, rules: tuple[NameRule, ...]) -> tuple[str, bool] | None:
     """The model path and transpose flag for one HF tensor name, or None when no rule matches."""
     for rule in rules:
         m = re.fullmatch(rule.hf, name)
@@ -62,7 +47,7 @@ def _path_str(path: tuple) -> str:
 
 
 def model_from_hf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray], *, mesh: Mesh | None = None
-                          ) -> LlamaForCausalLM:
+                          ) -> CausalLM:
     """Build the model with its parameters taken from HF-named `[out, in]` tensors.
 
     With a `mesh`, each tensor goes from the host straight into its sharded layout
@@ -73,17 +58,18 @@ def model_from_hf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray], *, m
     if mesh is not None:
         cfg = stored_config(cfg, mesh.shape["model"])
     layout = cfg.head_layout  # checkpoint heads -> stored heads (None: stored as they are)
-    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, rngs=nnx.Rngs(0)))
+    family = get_family(cfg.family)
+    abstract = nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0)))
     graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
     flat = {_path_str(k): v for k, v in nnx.to_flat_state(params)}
     values: dict[str, jax.Array] = {}
     problems: list[str] = []
     for name, array in tensors.items():
-        if any(p.fullmatch(name) for p in IGNORED_HF):
+        if family.is_ignored(name):
             continue
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # tied: the embedding is the output projection
-        mapped = map_hf_name(name)
+        mapped = family.map_hf_name(name)
         if mapped is None:
             problems.append(f"checkpoint tensor {name!r} matches no rule")
             continue
@@ -102,17 +88,14 @@ def model_from_hf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray], *, m
         if arr.shape != want.shape:
             problems.append(f"{name!r}: shape {arr.shape} (after layout change) != model's {want.shape} for {target!r}")
             continue
-        values[target] = _to_device(arr, want.dtype, None if mesh is None else param_sharding(target, arr.shape, mesh))
+        values[target] = _to_device(arr, want.dtype, None if mesh is None else param_sharding(family.logical_axes(target), arr.shape, mesh))
     missing = sorted(set(flat) - set(values))
     problems += [f"model parameter {t!r} is not in the checkpoint" for t in missing]
     if problems:
         raise ValueError("checkpoint does not fit the model:\n  " + "\n  ".join(problems))
     for key, var in nnx.to_flat_state(params):
         var.value = values[_path_str(key)]
-    inv_freq = jnp.asarray(rope_inv_freq(cfg))  # the only non-parameter state: rotary buffers
-    rest_state = jax.tree.map(lambda s: inv_freq, rest)
-    model = nnx.merge(graphdef, params, rest_state)
-    return model
+    return nnx.merge(graphdef, params, family.buffers(cfg, rest))
 
 
 class ExpandedColumns:
@@ -154,7 +137,7 @@ def _to_device(arr: np.ndarray, dtype: np.dtype, sharding: jax.sharding.Sharding
 
 
 def load_model(path: str | None = None, *, dtype: str = "float32", mesh: Mesh | None = None
-               ) -> tuple[LlamaForCausalLM, ModelConfig]:
+               ) -> tuple[CausalLM, ModelConfig]:
     """Load a HF directory or `.gguf` file (None = the embedded SmolLM2-135M-Instruct) as an NNX model.
 
     `mesh` (a ("data", "model") Mesh) places every parameter directly in its tensor-parallel layout.

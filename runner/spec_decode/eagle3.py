@@ -31,7 +31,8 @@ from jaxtyping import Array, Float, Int
 
 from runner.attention import MASK_VALUE, AttentionMetadata, paged_attention, paged_slots, write_kv
 from runner.models.config import ModelConfig, RopeScaling
-from runner.models.llama import MLP, Linear, LlamaForCausalLM, RMSNorm, apply_rope, rope_inv_freq
+from runner.models.family import DraftTarget
+from runner.models.llama import MLP, Linear, RMSNorm, apply_rope, rope_inv_freq
 from runner.sampler_blocks import argmax_last
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
@@ -196,12 +197,12 @@ class Eagle3Head(nnx.Module):
             if cfg.has_embedding else None
         self.d2t = nnx.Variable(jnp.zeros((cfg.draft_vocab_size,), jnp.int32))  # target id = draft id + d2t
 
-    def embed(self, target: LlamaForCausalLM, token_ids: Int[Array, "..."]) -> Float[Array, "... H"]:
+    def embed(self, target: DraftTarget, token_ids: Int[Array, "..."]) -> Float[Array, "... H"]:
         if self.embed_tokens is None:
             return target.embed(token_ids)
         return self.embed_tokens[...][token_ids].astype(jnp.dtype(self.config.dtype))
 
-    def logits(self, target: LlamaForCausalLM, x: Float[Array, "... H"]) -> Float[Array, "... Vd"]:
+    def logits(self, target: DraftTarget, x: Float[Array, "... H"]) -> Float[Array, "... Vd"]:
         """float32 logits over the draft vocabulary of a layer output `x` (before `norm`)."""
         h = self.norm(x)
         return (self.lm_head(h) if self.lm_head is not None else target.compute_logits(h)).astype(jnp.float32)
@@ -220,7 +221,7 @@ class DraftCache:
     hidden: Float[Array, "R P page H"]  # g = fc(aux) of every position the target computed
 
 
-def fill_cache(head: Eagle3Head, target: LlamaForCausalLM, kv: Float[Array, "2 Hkv P page D"],
+def fill_cache(head: Eagle3Head, target: DraftTarget, kv: Float[Array, "2 Hkv P page D"],
                hidden: Float[Array, "P page H"], aux: Float[Array, "T A"], token_ids: Int[Array, "T"],
                positions: Int[Array, "T"], slot_mapping: Int[Array, "T"], prev_slots: Int[Array, "T"]
                ) -> tuple[Float[Array, "2 Hkv P page D"], Float[Array, "P page H"]]:
@@ -244,7 +245,7 @@ class DraftChain:
     confidence: Float[Array, "S"]  # the head's probability of that draft (0 at padding rows)
 
 
-def draft_paged(head: Eagle3Head, target: LlamaForCausalLM, kv: Float[Array, "2 Hkv P page D"],
+def draft_paged(head: Eagle3Head, target: DraftTarget, kv: Float[Array, "2 Hkv P page D"],
                 hidden: Float[Array, "P page H"], last_token_ids: Int[Array, "S"], positions: Int[Array, "S"],
                 page_indices: Int[Array, "S W"], num_seqs: Int[Array, "1"], *, num_steps: int,
                 attention_impl: str = "jax") -> tuple[Float[Array, "2 Hkv P page D"], Int[Array, "S K"], DraftChain]:
@@ -254,7 +255,7 @@ def draft_paged(head: Eagle3Head, target: LlamaForCausalLM, kv: Float[Array, "2 
     c - 1: step j runs the head at c - 1 + j (step 0 reads g_{c-1} from the cache, later steps the
     previous step's output) and writes its K/V there; the target step's `fill_cache` rewrites them.
     Returns the cache, the drafts and the chain after step 0 (its `confidence` decides unsure steps).
-    `attention_impl` "cpu_kernel" runs the head's attention in `runner.cpu_attention`; others the pure-JAX path.
+    `attention_impl` "cpu_kernel" runs the head's attention in `runner.backends.cpu.attention`; others the pure-JAX path.
     """
     num_pages, page, width = hidden.shape
     num_slots = num_pages * page
@@ -297,7 +298,7 @@ def draft_paged(head: Eagle3Head, target: LlamaForCausalLM, kv: Float[Array, "2 
     return kv, jnp.concatenate(drafts, axis=1), chain
 
 
-def dense_steps(head: Eagle3Head, target: LlamaForCausalLM, g: Float[Array, "B S H"],
+def dense_steps(head: Eagle3Head, target: DraftTarget, g: Float[Array, "B S H"],
                 next_token_ids: Int[Array, "B S"], positions: Int[Array, "B S"], num_steps: int
                 ) -> list[Float[Array, "B S H"]]:
     """Training forward with EAGLE-3's training-time test: layer outputs of steps 0..num_steps-1.

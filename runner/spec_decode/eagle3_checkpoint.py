@@ -23,7 +23,7 @@ from flax import nnx
 
 from runner.models.checkpoint import read_hf_dir
 from runner.models.config import ModelConfig
-from runner.models.llama import LlamaForCausalLM
+from runner.models.family import DraftTarget
 from runner.models.loader import NameRule, map_hf_name
 from runner.spec_decode.eagle3 import Eagle3Head, Eagle3HeadConfig, vocab_maps
 
@@ -148,7 +148,7 @@ def save_eagle3_head(head: Eagle3Head, path: str) -> None:
         json.dump(cfg.to_hf_dict(), f, indent=2)
 
 
-def init_eagle3_head(target: LlamaForCausalLM, *, draft_vocab_ids: np.ndarray | None = None,
+def init_eagle3_head(target: DraftTarget, *, draft_vocab_ids: np.ndarray | None = None,
                      aux_layer_ids: tuple[int, ...] | None = None, seed: int = 0) -> Eagle3Head:
     """A fresh head for `target`: random layer; with `draft_vocab_ids` (target ids, most useful first)
     its own lm_head starts as the target's output rows of those ids, else it shares the target's."""

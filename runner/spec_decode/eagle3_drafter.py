@@ -29,7 +29,7 @@ from jax.tree_util import PyTreeDef
 from jaxtyping import Array, Bool, Float, Int
 
 from runner.kv_cache import KVCacheSpec
-from runner.models.llama import KVCaches
+from runner.models.family import KVCaches
 from runner.sampler import SamplerOutput
 from runner.sharding import kv_cache_sharding
 from runner.spec_decode.eagle3 import DraftCache, Eagle3Head

@@ -24,7 +24,7 @@ from jax.tree_util import PyTreeDef
 from jaxtyping import Array, Bool, Float, Int
 
 from runner.attention import paged_slots
-from runner.models.llama import KVCaches
+from runner.models.family import KVCaches
 from runner.sampler import SamplerOutput
 from runner.spec_decode.eagle3 import DraftCache, DraftChain, Eagle3Head, draft_paged, fill_cache
 from runner.step_inputs import DeviceBatch

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from runner.models.llama import LlamaForCausalLM
+from runner.models.family import DraftTarget
 from runner.spec_decode.eagle3 import Eagle3Head, dense_steps
 
 
@@ -26,7 +26,7 @@ def pack_sequences(seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     return tokens, mask
 
 
-def target_features(target: LlamaForCausalLM, token_ids: Int[Array, "B S"], aux_layers: tuple[int, ...],
+def target_features(target: DraftTarget, token_ids: Int[Array, "B S"], aux_layers: tuple[int, ...],
                     attention_mask: Int[Array, "B S"] | None = None
                     ) -> tuple[Float[Array, "B S A"], Int[Array, "B S"], Float[Array, "B S H"]]:
     """The target's aux hidden states, greedy next-token labels and final (normed) hidden states."""
@@ -35,7 +35,7 @@ def target_features(target: LlamaForCausalLM, token_ids: Int[Array, "B S"], aux_
     return aux, jnp.argmax(target.compute_logits(hidden), axis=-1).astype(jnp.int32), hidden
 
 
-def _draft_rows_of_target_output(target: LlamaForCausalLM, head: Eagle3Head) -> Float[Array, "Vd H"]:
+def _draft_rows_of_target_output(target: DraftTarget, head: Eagle3Head) -> Float[Array, "Vd H"]:
     ids = head.d2t[...] + jnp.arange(head.config.draft_vocab_size, dtype=jnp.int32)
     return jnp.take(target.output_rows(), ids, axis=0)
 
@@ -48,7 +48,7 @@ def target_to_draft(head: Eagle3Head) -> np.ndarray:
     return out
 
 
-def eagle3_loss(head: Eagle3Head, target: LlamaForCausalLM, aux: Float[Array, "B S A"], token_ids: Int[Array, "B S"],
+def eagle3_loss(head: Eagle3Head, target: DraftTarget, aux: Float[Array, "B S A"], token_ids: Int[Array, "B S"],
                 labels: Int[Array, "B S"], mask: Float[Array, "B S"], t2d: Int[Array, "V"], num_steps: int,
                 target_hidden: Float[Array, "B S H"] | None = None, train_lm_head: bool = True
                 ) -> tuple[Float[Array, ""], Float[Array, "K"]]:

@@ -1,4 +1,4 @@
-"""Paged attention on XLA:CPU through an FFI kernel (`runner/cpu_kernels/paged_attention.cc`): decode,
+"""Paged attention on XLA:CPU through an FFI kernel (`runner/backends/cpu/kernels/paged_attention.cc`): decode,
 verification and prefill steps.
 
 The pure-JAX `ragged_paged_attention` walks each sequence's pages in a `lax.while_loop`; on XLA:CPU
@@ -10,7 +10,7 @@ a verification row equals the decode row at that position bitwise.
 Used for steps of at most `MAX_Q_LEN` queries per sequence (prefill steps attend in pieces of
 `BucketConfig.query_block` = 32 queries, which the kernel takes as sequences: one 512-token R1 prefill
 step 600 -> 450 ms, with ~350-token prompts 900 -> 500 ms against the reference's batched dots), a
-float32 cache, one CPU device. Built on first use (`runner.kernel_build`);
+float32 cache, one CPU device. Built on first use (`runner.backends.cpu.kernel_build`);
 `JAX_ROLLOUT_CPU_ATTENTION=0` turns it off.
 """
 
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from runner.kernel_build import KernelStatus, load_kernel
+from runner.backends.cpu.kernel_build import KernelStatus, load_kernel
 
 MAX_Q_LEN = 64  # queries per sequence (or prefill piece) up to which a step uses the kernel
 MAX_HEAD_DIM = 256

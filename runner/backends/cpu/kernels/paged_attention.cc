@@ -1,5 +1,5 @@
 // Paged attention of a few query rows per sequence (decode and verification steps) for XLA:CPU
-// (an XLA FFI custom call; built and loaded by runner/cpu_attention.py).
+// (an XLA FFI custom call; built and loaded by runner/backends/cpu/attention.py).
 //
 // The pure-JAX reference (runner/attention.py) walks each sequence's pages in a `lax.while_loop`
 // whose iterations cost more in thunk dispatch than in arithmetic at these sizes, on one thread.
@@ -25,7 +25,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 #if !defined(__AVX512F__)
-#error "paged_attention.cc is tuned for AVX-512 (see runner/cpu_attention.py)"
+#error "paged_attention.cc is tuned for AVX-512 (see runner/backends/cpu/attention.py)"
 #endif
 
 typedef float v16 __attribute__((vector_size(64)));

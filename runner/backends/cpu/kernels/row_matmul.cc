@@ -1,4 +1,4 @@
-// Few-row float32 matmuls for XLA:CPU (an XLA FFI custom call; built and loaded by runner/row_matmul.py).
+// Few-row float32 matmuls for XLA:CPU (an XLA FFI custom call; built and loaded by runner/backends/cpu/row_matmul.py).
 //
 // XLA:CPU runs a 1-row dot as a single-threaded GEMV and 2..8 rows as a YNNPACK GEMM that reads the
 // weights at about half the memory bandwidth, so a B=1 verification step (k + 1 rows) cost ~1.7x a
@@ -31,9 +31,9 @@ constexpr int kStripVectors = 4;   // 64 output columns held in registers per ro
 constexpr int kNtAlign = 24;       // RowMatmulNT column chunks: a multiple of every block size J
 constexpr int64_t kNtAhead = 16;    // RowMatmulNT prefetches the weight row this many rows ahead
 // Sized for AVX-512's 32 registers of 16 floats. Built for AVX2 (x86-64-v3) the same code ran
-// 2.5-3x slower than XLA's dot, so runner/row_matmul.py builds it only where AVX-512 is present.
+// 2.5-3x slower than XLA's dot, so runner/backends/cpu/row_matmul.py builds it only where AVX-512 is present.
 #if !defined(__AVX512F__)
-#error "row_matmul.cc is tuned for AVX-512 (see runner/row_matmul.py)"
+#error "row_matmul.cc is tuned for AVX-512 (see runner/backends/cpu/row_matmul.py)"
 #endif
 
 typedef float v16 __attribute__((vector_size(64)));

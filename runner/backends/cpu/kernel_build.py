@@ -1,4 +1,4 @@
-"""Builds the C++ XLA FFI kernels of `runner/cpu_kernels/` for this CPU and registers them with JAX.
+"""Builds the C++ XLA FFI kernels of `runner/backends/cpu/kernels/` for this CPU and registers them with JAX.
 
 Each kernel source is compiled on first use with the system C++ compiler (`$CXX`, else `g++` or
 `c++`) for this CPU (`-march=native`; x86 with AVX-512 only, the code is tuned for its 32 vector
@@ -22,7 +22,7 @@ from pathlib import Path
 import jax
 import jaxlib
 
-KERNEL_DIR = Path(__file__).parent / "cpu_kernels"
+KERNEL_DIR = Path(__file__).parent / "kernels"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +80,7 @@ def _build(source: Path, compiler: str) -> Path:
 
 
 def load_kernel(source_name: str, switch: str, targets: dict[str, str]) -> KernelStatus:
-    """Build `cpu_kernels/<source_name>` and register its handler symbols (`targets`: FFI target -> symbol)."""
+    """Build `kernels/<source_name>` and register its handler symbols (`targets`: FFI target -> symbol)."""
     if os.environ.get(switch, "1") == "0":
         return KernelStatus(False, f"turned off by {switch}=0")
     if platform.system() != "Linux":

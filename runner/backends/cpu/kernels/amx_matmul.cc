@@ -1,11 +1,11 @@
-// Float32 matmuls on Intel AMX tiles (an XLA FFI custom call; built and loaded by runner/amx_matmul.py).
+// Float32 matmuls on Intel AMX tiles (an XLA FFI custom call; built and loaded by runner/backends/cpu/amx_matmul.py).
 //
 // Each float32 value is split exactly into three bfloat16 parts by truncation (hi = top 8 mantissa bits,
 // mid = the next 8 of the remainder, lo = the rest, which fits), so x = xh + xm + xl and w = wh + wm + wl
 // with no rounding. y = x @ w is then the six products xh*wh + xh*wm + xm*wh + xh*wl + xl*wh + xm*wm,
 // each a TDPBF16PS (exact bf16 products, float32 accumulation); the dropped terms are below 2^-24 of the
 // result, so the error is that of a float32 GEMM (checked against float64 in tests/test_amx_matmul.py).
-// The weights come pre-split and packed in AMX's pair layout by runner/amx_matmul.py::pack_kernel, once per
+// The weights come pre-split and packed in AMX's pair layout by runner/backends/cpu/amx_matmul.py::pack_kernel, once per
 // weight update: [N/16, K/32, 3 parts, 16 pair-rows, 16 columns, 2].
 //
 // One output tile (16 rows x 16 columns) is always summed over k in the same order, whatever the row

@@ -1,4 +1,4 @@
-"""Few-row float32 matmuls on XLA:CPU through an FFI kernel (`runner/cpu_kernels/row_matmul.cc`).
+"""Few-row float32 matmuls on XLA:CPU through an FFI kernel (`runner/backends/cpu/kernels/row_matmul.cc`).
 
 XLA:CPU computes a 1-row dot as a single-threaded GEMV and 2..8 rows as a YNNPACK GEMM that reads
 the weights at about half the memory bandwidth. On the 2-core CPU the 30 layers' matmuls of SmolLM2
@@ -13,10 +13,10 @@ panel past that, the next one prefetched meanwhile): the 30 layers' matmuls at 1
 output is summed in the same order whatever the row count, so a row's result does not depend on which
 other rows share the step.
 
-On CPUs with AMX-BF16, `runner.amx_matmul` takes the layers' steps of 25 rows or more and the tied head's
+On CPUs with AMX-BF16, `runner.backends.cpu.amx_matmul` takes the layers' steps of 25 rows or more and the tied head's
 past 8 (`amx_matmul.takes`, called by `Linear.__call__`).
 
-The kernel is built on first use (`runner.kernel_build`: AVX-512 CPUs with a C++ compiler); `load()`
+The kernel is built on first use (`runner.backends.cpu.kernel_build`: AVX-512 CPUs with a C++ compiler); `load()`
 says whether it is usable and, if not, why; the model then keeps XLA's dot.
 `JAX_ROLLOUT_ROW_KERNEL=0` turns it off.
 """
@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from runner.kernel_build import KernelStatus, load_kernel
+from runner.backends.cpu.kernel_build import KernelStatus, load_kernel
 
 MAX_ROWS = 64  # x @ w (Flax kernels)
 MAX_ROWS_NT = 8  # x @ w.T (the tied output projection); more rows: XLA's dot is faster

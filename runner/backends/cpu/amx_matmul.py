@@ -1,4 +1,4 @@
-"""Float32 matmuls on Intel AMX tiles through an FFI kernel (`runner/cpu_kernels/amx_matmul.cc`).
+"""Float32 matmuls on Intel AMX tiles through an FFI kernel (`runner/backends/cpu/kernels/amx_matmul.cc`).
 
 AMX multiplies bfloat16 tiles into float32 sums. Splitting each float32 value exactly into three
 bfloat16 parts (`split3`: truncation, so hi + mid + lo == x) and summing the six largest of the nine
@@ -8,11 +8,11 @@ the AVX-512 row kernel took ~65 and XLA's dot ~70 (docs/engineering-notes.md).
 
 The weights are split and packed once (`pack_kernel`, a jitted JAX function: `[K, N]` float32 ->
 `[N/16, K/32, 3, 16, 16, 2]` uint16, AMX's pair layout, 1.5x the float32 bytes) and kept next to the
-float32 kernel (`runner.models.llama.Linear.amx_packed`); `runner.model_runner.ModelRunner` packs
-again whenever the parameters change (`sync_weights`). Each output tile is summed over k in one
+float32 kernel (a `PackedKernel` of each `Linear`, added by the CPU backend, `runner/backends/cpu/backend.py`),
+which packs them again whenever the parameters change (`sync_weights`). Each output tile is summed over k in one
 fixed order, so a row's result does not depend on the other rows of the step.
 
-The kernel is built on first use (`runner.kernel_build`) on CPUs with AMX-BF16 and a compiler that
+The kernel is built on first use (`runner.backends.cpu.kernel_build`) on CPUs with AMX-BF16 and a compiler that
 knows it; `load()` says whether it is usable and, if not, why. `JAX_ROLLOUT_AMX=0` turns it off.
 """
 
@@ -27,21 +27,23 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, UInt16
 
-from runner.kernel_build import KernelStatus, cpu_flags, load_kernel
+from runner.backends.cpu.kernel_build import KernelStatus, cpu_flags, load_kernel
 
 MIN_ROWS = 9  # fewer rows are bandwidth-bound: the float32 row kernel reads 4 bytes per weight, AMX 6
+# Where the row kernel takes them, layer matmuls of fewer than 25 rows stay on it: its 9-24-row paths beat
+# AMX on the layer-shaped chain (e.g. 16 rows 26.7 vs 30.4 ms, 24 rows 32.2 vs 34.1; 32 rows 39.1 vs 37.0).
+DEFAULT_FROM_ROWS = 25
 
 
-def _from_rows() -> int:
-    value = os.environ.get("JAX_ROLLOUT_AMX_FROM_ROWS", "25")
+def from_rows(default: int = DEFAULT_FROM_ROWS) -> int:
+    """Where AMX starts for layer matmuls the row kernel could take: `JAX_ROLLOUT_AMX_FROM_ROWS` if set
+    (an override read when a CPU backend is built, never at import), else `default`."""
+    value = os.environ.get("JAX_ROLLOUT_AMX_FROM_ROWS", str(default))
     if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"JAX_ROLLOUT_AMX_FROM_ROWS={value!r}: expected a row count >= 1 (default 25)")
+        raise ValueError(f"JAX_ROLLOUT_AMX_FROM_ROWS={value!r}: expected a row count >= 1 (default {default})")
     return int(value)
 
 
-# Where the row kernel takes them, layer matmuls of fewer rows stay on it: its 9-24-row paths beat AMX
-# on the layer-shaped chain (e.g. 16 rows 26.7 vs 30.4 ms, 24 rows 32.2 vs 34.1; 32 rows 39.1 vs 37.0).
-FROM_ROWS = _from_rows()
 _TARGET = "jax_rollout_amx_matmul"
 
 
@@ -62,10 +64,11 @@ def load() -> KernelStatus:
     return status
 
 
-def takes(rows: int, row_kernel_max_rows: int) -> bool:
+def takes(rows: int, row_kernel_max_rows: int, from_rows: int = DEFAULT_FROM_ROWS) -> bool:
     """Whether a matmul of `rows` rows with a packed kernel runs on AMX rather than on the row kernel
-    (which takes up to `row_kernel_max_rows` rows; 0: off) or XLA's dot."""
-    return rows >= MIN_ROWS and (rows > row_kernel_max_rows or rows >= FROM_ROWS)
+    (which takes up to `row_kernel_max_rows` rows; 0: off; AMX takes its rows from `from_rows` on) or
+    XLA's dot."""
+    return rows >= MIN_ROWS and (rows > row_kernel_max_rows or rows >= from_rows)
 
 
 def shape_fits(w: Array) -> bool:

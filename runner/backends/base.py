@@ -1,0 +1,93 @@
+"""`Backend`: the kernel choices of one engine behind one boundary (matmul, attention, KV cache layout,
+parameter packing, status), chosen once per engine (`runner.backends.select_backend`).
+
+The model code calls what the backend put into it (a `Matmul` in every `Linear`, one for the tied
+output projection) and never tests platforms; the default everywhere is XLA's own dot (`XlaMatmul`),
+which is also the reference backend's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol, TypeVar
+
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float
+
+ModuleT = TypeVar("ModuleT", bound=nnx.Module)
+
+
+class PackedKernel(nnx.Variable):
+    """A weight laid out for a backend's matmul (derived from the `Param`: never trained or synced,
+    recomputed by `Backend.refresh` when the parameters change)."""
+
+
+class Matmul(Protocol):
+    """`x @ w` (or `x @ w.T` for a transposed one), given the weight and its packed copy, if any."""
+
+    def __call__(self, x: Float[Array, "... K"], w: Array, packed: Array | None) -> Float[Array, "... N"]:
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaMatmul:
+    """XLA's dot: `x @ w` with a `[K, N]` weight, or with `transposed` `x @ w.T` with a `[N, K]` one."""
+
+    transposed: bool = False
+
+    def __call__(self, x: Float[Array, "... K"], w: Array, packed: Array | None) -> Float[Array, "... N"]:
+        return jnp.einsum("...h,vh->...v", x, w) if self.transposed else jnp.dot(x, w)
+
+
+XLA_MATMUL = XlaMatmul()
+XLA_MATMUL_NT = XlaMatmul(transposed=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendStatus:
+    """What `Engine.stats()` reports of the backend: its name and, per kernel choice, "ok" or why not."""
+
+    name: str
+    matmul: str  # the few-row matmul kernel ("ok", or why XLA's dot runs)
+    amx: str  # the AMX matmul ("ok", or why not)
+    attention: str  # the attention impl of paged steps (one of `runner.attention.ATTENTION_IMPLS`)
+
+
+class Backend:
+    """The reference backend: pure JAX everywhere, the oracle of every other backend."""
+
+    name = "reference"
+
+    def __init__(self, attention_impl: str = "jax") -> None:
+        self.attention_impl = attention_impl
+
+    def prepare(self, module: ModuleT, *, pack: bool = True) -> ModuleT:
+        """A copy of `module` (a model or draft head; sharing its arrays) with this backend's kernels wired
+        in: every module with a `matmul` (a `Linear`) or a `head_matmul` (a tied output projection) gets
+        this backend's; `pack` lets it add packed weights. Here: XLA's dot, nothing packed (kernels a
+        model brought from another engine are taken out)."""
+        copy = nnx.merge(*nnx.split(module))
+        for _, sub in nnx.iter_modules(copy):
+            if hasattr(sub, "matmul"):
+                sub.matmul, sub.packed = XLA_MATMUL, nnx.data(None)
+            elif hasattr(sub, "head_matmul"):
+                sub.head_matmul, sub.packed_head = XLA_MATMUL_NT, nnx.data(None)
+        return copy
+
+    @property
+    def packs_weights(self) -> bool:
+        """Whether `prepare` adds `PackedKernel`s that `refresh` must recompute after a weight update."""
+        return False
+
+    def refresh(self, graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State) -> nnx.State:
+        """`rest` with every packed weight recomputed from `params` (jit it, donating `rest`)."""
+        return rest
+
+    def kv_cache_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """One layer's KV cache shape in this backend's layout, from the engine's
+        `[replicas, 2, kv_heads, pages, page_size, head_dim]` (every backend keeps it for now)."""
+        return shape
+
+    def status(self) -> BackendStatus:
+        return BackendStatus(self.name, matmul="XLA's dot", amx="off", attention=self.attention_impl)

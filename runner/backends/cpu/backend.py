@@ -1,0 +1,139 @@
+"""`CpuBackend`: the C++ XLA FFI kernels of this folder, each optional, on one CPU device.
+
+- few-row matmuls (`row_matmul`: 1-64 rows of `x @ w`, up to 8 of the tied head's `x @ w.T`),
+- AMX tiles for larger float32 matmuls where the CPU has AMX-BF16 (`amx_matmul`: weights kept packed
+  next to the float32 ones, recomputed by `refresh` after a weight update),
+- paged attention (`attention`: decode, verification and prefill pieces of up to 64 queries).
+
+Each runs only where it builds and helps (AVX-512, float32, one device); otherwise XLA's dot or the
+pure-JAX attention runs, and `status()` says why. Options come from `EngineConfig`
+(`cpu_row_kernel`, `cpu_amx`, `cpu_amx_from_rows`, `attention_backend`); the environment switches
+`JAX_ROLLOUT_ROW_KERNEL=0`, `JAX_ROLLOUT_AMX=0`, `JAX_ROLLOUT_CPU_ATTENTION=0` and
+`JAX_ROLLOUT_AMX_FROM_ROWS` override them, read when the backend is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+from jaxtyping import Array, Float
+
+from runner.backends.base import Backend, BackendStatus, ModuleT, PackedKernel, XlaMatmul
+from runner.backends.cpu import amx_matmul as amx
+from runner.backends.cpu.attention import load as load_attention
+from runner.backends.cpu.kernel_build import KernelStatus
+from runner.backends.cpu.row_matmul import MAX_ROWS, MAX_ROWS_NT, load as load_row_kernel, row_matmul, row_matmul_nt
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuMatmul:
+    """`x @ w` (`transposed`: `x @ w.T`): AMX where a packed weight exists and `amx.takes` the rows,
+    the row kernel up to `row_max_rows` rows, XLA's dot otherwise."""
+
+    row_max_rows: int
+    amx_from_rows: int = amx.DEFAULT_FROM_ROWS
+    transposed: bool = False
+
+    def __call__(self, x: Float[Array, "... K"], w: Array, packed: Array | None) -> Float[Array, "... N"]:
+        rows = math.prod(x.shape[:-1])
+        if packed is not None and amx.takes(rows, self.row_max_rows, self.amx_from_rows):
+            return amx.amx_matmul(x, packed)
+        if 0 < rows <= self.row_max_rows:
+            return row_matmul_nt(x, w) if self.transposed else row_matmul(x, w)
+        return XlaMatmul(self.transposed)(x, w, None)
+
+
+def row_kernel_status(mesh: Mesh, dtype: str, param_dtype: str, enabled: bool = True) -> KernelStatus:
+    """Whether few-row steps use the row kernel: float32 on one CPU device (the kernel has no
+    partitioning rule, so never on a mesh)."""
+    if not enabled:
+        return KernelStatus(False, "turned off by EngineConfig(cpu_row_kernel=False)")
+    if any(d.platform != "cpu" for d in mesh.devices.flat):
+        return KernelStatus(False, "not a CPU device: XLA's dot")
+    if mesh.size > 1:
+        return KernelStatus(False, "a mesh of several devices: XLA's dot partitions, the kernel does not")
+    if (dtype, param_dtype) != ("float32", "float32"):
+        return KernelStatus(False, f"float32 only, the model computes in {dtype} ({param_dtype} weights)")
+    return load_row_kernel()
+
+
+def auto_cpu_attention(mesh: Mesh, cache_dtype: str) -> str:
+    """"auto" attention on CPU: the C++ kernel on one device with a float32 cache when it builds."""
+    if mesh.size == 1 and jnp.dtype(cache_dtype) == jnp.float32 and load_attention().available:
+        return "cpu_kernel"
+    return "jax"
+
+
+class CpuBackend(Backend):
+    """The C++ kernels where they run, XLA's ops elsewhere."""
+
+    name = "cpu"
+
+    def __init__(self, mesh: Mesh, *, dtype: str, param_dtype: str, attention_impl: str, row_kernel: bool = True,
+                 use_amx: bool = True, amx_from_rows: int = amx.DEFAULT_FROM_ROWS) -> None:
+        super().__init__(attention_impl)
+        if attention_impl == "cpu_kernel" and (mesh.size > 1 or mesh.devices.flat[0].platform != "cpu"):
+            raise ValueError("attention impl 'cpu_kernel' runs on one CPU device; use 'jax' on a mesh or accelerator")
+        if attention_impl == "cpu_kernel" and not load_attention().available:
+            raise ValueError(f"attention impl 'cpu_kernel' is unavailable here ({load_attention().reason}); use 'jax'")
+        self.row_kernel = row_kernel_status(mesh, dtype, param_dtype, row_kernel)
+        if not self.row_kernel.available:
+            self.amx = self.row_kernel
+        elif not use_amx:
+            self.amx = KernelStatus(False, "turned off by EngineConfig(cpu_amx=False)")
+        else:
+            self.amx = amx.load()
+        self.amx_from_rows = amx.from_rows(amx_from_rows) if self.amx.available else amx_from_rows
+
+    @property
+    def packs_weights(self) -> bool:
+        return self.amx.available
+
+    def prepare(self, module: ModuleT, *, pack: bool = True) -> ModuleT:
+        """A copy of `module` (sharing its arrays) computing with the kernels that run here: every
+        `Linear` (and a tied output projection) gets a `CpuMatmul`, and with AMX (`pack`) a packed copy
+        of its float32 weight where the shape fits."""
+        copy = super().prepare(module)
+        if not self.row_kernel.available:
+            return copy
+        for _, sub in nnx.iter_modules(copy):
+            if hasattr(sub, "matmul"):  # a Linear
+                sub.matmul = CpuMatmul(MAX_ROWS, self.amx_from_rows)
+            elif hasattr(sub, "head_matmul"):  # a causal LM: its tied output projection
+                sub.head_matmul = CpuMatmul(MAX_ROWS_NT, self.amx_from_rows, transposed=True)
+            else:
+                continue
+            w = _amx_weight(sub) if pack and self.amx.available else None
+            packed = PackedKernel(amx.pack_kernel(w)) if w is not None else nnx.data(None)
+            if hasattr(sub, "matmul"):
+                sub.packed = packed
+            else:
+                sub.packed_head = packed
+        return copy
+
+    def refresh(self, graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State) -> nnx.State:
+        model = nnx.merge(graphdef, params, rest)
+        for _, sub in nnx.iter_modules(model):
+            packed = getattr(sub, "packed", None) if hasattr(sub, "matmul") else getattr(sub, "packed_head", None)
+            if packed is not None:
+                packed.value = amx.pack_kernel(_amx_weight(sub))
+        return nnx.split(model, nnx.Param, ...)[2]
+
+    def status(self) -> BackendStatus:
+        return BackendStatus(self.name, matmul=self.row_kernel.reason, amx=self.amx.reason,
+                             attention=self.attention_impl)
+
+
+def _amx_weight(sub: nnx.Module) -> Array | None:
+    """The `[K, N]` float32 weight AMX packs for a module (a Linear's kernel, a tied output projection's
+    `[H, V]` embedding), or None where it packs nothing."""
+    if hasattr(sub, "matmul"):
+        w = sub.kernel[...] if sub.compute_dtype == jnp.float32 else None
+    else:
+        tied = sub.tied_output_rows()
+        w = tied.T if tied is not None and sub.config.dtype == "float32" else None
+    return w if w is not None and amx.shape_fits(w) else None

@@ -1,0 +1,87 @@
+"""The Llama family's declarations (Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3 share one module): the name
+table, sharding rules, the family-specific config fields and the attention spec."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from runner.models.config import ModelConfig
+from runner.models.family import AttentionSpec, ModelFamily, NameEntry, ShardingRules
+from runner.models.llama import LlamaForCausalLM, rope_inv_freq
+
+_L = "model.layers.*"
+
+
+def _layer(hf: str, path: str, gguf: str, transpose: bool = False) -> NameEntry:
+    return NameEntry(f"{_L}.{hf}", f"layers.*.{path}", transpose, f"blk.*.{gguf}")
+
+
+LLAMA_NAMES: tuple[NameEntry, ...] = (
+    NameEntry("model.embed_tokens.weight", "embed_tokens", gguf="token_embd.weight"),
+    NameEntry("model.norm.weight", "norm.scale", gguf="output_norm.weight"),
+    NameEntry("lm_head.weight", "lm_head.kernel", transpose=True, gguf="output.weight"),
+    _layer("input_layernorm.weight", "input_layernorm.scale", "attn_norm.weight"),
+    _layer("post_attention_layernorm.weight", "post_attention_layernorm.scale", "ffn_norm.weight"),
+    _layer("self_attn.q_norm.weight", "self_attn.q_norm.scale", "attn_q_norm.weight"),
+    _layer("self_attn.k_norm.weight", "self_attn.k_norm.scale", "attn_k_norm.weight"),
+    *(entry for hf, gguf in (("self_attn.q_proj", "attn_q"), ("self_attn.k_proj", "attn_k"),
+                             ("self_attn.v_proj", "attn_v"), ("self_attn.o_proj", "attn_output"),
+                             ("mlp.gate_proj", "ffn_gate"), ("mlp.up_proj", "ffn_up"), ("mlp.down_proj", "ffn_down"))
+      for entry in (_layer(f"{hf}.weight", f"{hf}.kernel", f"{gguf}.weight", transpose=True),
+                    _layer(f"{hf}.bias", f"{hf}.bias", f"{gguf}.bias"))),
+)
+
+LLAMA_SHARDING: ShardingRules = (
+    (r"embed_tokens", ("vocab", None)),
+    (r"lm_head\.kernel", (None, "vocab")),
+    (r"layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj)\.kernel", (None, "heads")),
+    (r"layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj)\.bias", ("heads",)),
+    (r"layers\.\d+\.self_attn\.o_proj\.kernel", ("heads", None)),
+    (r"layers\.\d+\.mlp\.(gate_proj|up_proj)\.kernel", (None, "mlp")),
+    (r"layers\.\d+\.mlp\.(gate_proj|up_proj)\.bias", ("mlp",)),
+    (r"layers\.\d+\.mlp\.down_proj\.kernel", ("mlp", None)),
+    (r".*", ()),  # norms, biases of row-parallel layers, buffers: replicated
+)
+# llama.cpp permuted Q/K rows of `llama` GGUFs -> the head count that undoes it
+LLAMA_GGUF_PERMUTED = {"blk.*.attn_q.weight": "num_attention_heads", "blk.*.attn_q.bias": "num_attention_heads",
+                       "blk.*.attn_k.weight": "num_key_value_heads", "blk.*.attn_k.bias": "num_key_value_heads"}
+ROTARY_BUFFERS = ("model.rotary_emb.inv_freq", f"{_L}.self_attn.rotary_emb.inv_freq")
+
+
+def _llama_fields(hf: Mapping[str, object]) -> dict[str, object]:
+    bias = bool(hf.get("attention_bias", False))
+    return {"qkv_bias": bias, "o_bias": bias, "qk_norm": False}
+
+
+def _qwen2_fields(hf: Mapping[str, object]) -> dict[str, object]:
+    if hf.get("use_sliding_window"):
+        raise ValueError("Qwen2 with use_sliding_window=true is not supported")
+    return {"qkv_bias": True, "o_bias": False, "qk_norm": False}
+
+
+def _qwen3_fields(hf: Mapping[str, object]) -> dict[str, object]:
+    return {**_llama_fields(hf), "qk_norm": True}
+
+
+def _attention_spec(cfg: ModelConfig, layer: int) -> AttentionSpec:
+    return AttentionSpec(scale=cfg.head_dim ** -0.5)
+
+
+def _buffers(cfg: ModelConfig, rest: nnx.State) -> nnx.State:
+    inv_freq = jnp.asarray(rope_inv_freq(cfg))  # the only non-parameter state: rotary tables
+    return jax.tree.map(lambda _: inv_freq, rest)
+
+
+def _family(name: str, arch: str, fields: object, gguf_permuted: Mapping[str, str] | None = None) -> ModelFamily:
+    return ModelFamily(name=name, architectures=(arch,), module=LlamaForCausalLM, names=LLAMA_NAMES,
+                       sharding_rules=LLAMA_SHARDING, config_fields=fields, attention_spec=_attention_spec,
+                       buffers=_buffers, ignored_hf=ROTARY_BUFFERS, gguf_permuted=gguf_permuted or {})
+
+
+LLAMA = _family("llama", "LlamaForCausalLM", _llama_fields, LLAMA_GGUF_PERMUTED)
+QWEN2 = _family("qwen2", "Qwen2ForCausalLM", _qwen2_fields)
+QWEN3 = _family("qwen3", "Qwen3ForCausalLM", _qwen3_fields)
