@@ -1,4 +1,4 @@
-"""Shared helpers for the `examples/bench_*.py` benchmarks (see `../shared/bench/WORKLOAD.md`).
+"""Shared helpers for the `examples/bench_*.py` benchmarks (see `docs/benchmarks.md`).
 
 - `cpu_settings()`: the CPU knobs in effect (XLA_FLAGS, thread counts, tcmalloc via LD_PRELOAD),
   so that a printed figure says what it was measured under;
@@ -169,7 +169,7 @@ def accelerator_peak_bytes() -> int | None:
 
 
 def r1_prompt(i: int) -> str:
-    """Workload R1's prompt i (../shared/bench/WORKLOAD.md)."""
+    """Workload R1's prompt i (docs/benchmarks.md)."""
     return f"Question {i}: Write a short paragraph about the number {i} and why it is interesting. Answer:"
 
 

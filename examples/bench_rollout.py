@@ -1,4 +1,4 @@
-"""Workloads R1 and R2 (../shared/bench/WORKLOAD.md): rollout throughput vs Hugging Face `generate`.
+"""Workloads R1 and R2 (docs/benchmarks.md): rollout throughput vs Hugging Face `generate`.
 
 Both sides run SmolLM2-135M-Instruct in float32 from the same GGUF (the embedded default model),
 on the same prompt token ids (tokenized once with `rollout.tokenizer.load_tokenizer(None)`), with

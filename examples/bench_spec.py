@@ -1,4 +1,4 @@
-"""Workload R3 (../shared/bench/WORKLOAD.md): n-gram speculative decoding vs plain decoding.
+"""Workload R3 (docs/benchmarks.md): n-gram speculative decoding vs plain decoding.
 
 Prompt i: a fixed paragraph of ~150 tokens followed by `Repeat the paragraph above exactly:`, sent as
 one user message through the tokenizer's chat template (`--no-chat` sends the raw text instead).

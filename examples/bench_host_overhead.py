@@ -1,0 +1,159 @@
+"""Host overhead of the engine, and the engine's code at two commits compared on the same workload.
+
+Workload: B prompts decoding exactly `--tokens` new tokens (EOS ignored), greedy and sampling with the
+sampled token's logprob, on either the tiny random Llama of tests/test_engine.py (`--model tiny`: 2
+layers, hidden 32, so the device work is near zero and the host decides throughput) or the embedded
+SmolLM2-135M-Instruct (`--model smollm2`, R1's prompts of docs/benchmarks.md). Per run:
+tokens/s of the whole `generate` call (median of `--repeats` after one untimed call of the same shape),
+engine steps, host ms per step (wall time outside `ModelRunner.run`: scheduling, input building,
+output processing) and the fraction of the wall time the device is idle for that reason (a lower
+bound: the device also idles while `run` pads inputs), programs compiled by the engine, peak RSS. No
+roofline fraction: with the tiny model the host, not memory bandwidth, is the limit.
+
+`--compare REF` also runs the code of git revision REF (a temporary `git worktree`) on the same
+workload, rounds alternated (REF, this tree, REF, ...), each side in its own process, and prints this
+tree's tokens/s over REF's. Ends with one JSON line.
+
+    python examples/bench_host_overhead.py --model tiny --batch-sizes 1,64,256,512 --compare HEAD~1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def worker(args: argparse.Namespace) -> None:
+    """Measure the code under `args.code_root` (imported from there) and print one JSON line."""
+    sys.path[:0] = [args.code_root, os.path.join(args.code_root, "tests")]
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import numpy as np
+
+    from rollout.engine import Engine
+    from rollout.sampling_params import SamplingParams
+
+    if args.model == "tiny":
+        from test_engine import ByteTokenizer, make_model
+
+        model, tok = make_model(0), ByteTokenizer()
+        rng = np.random.default_rng(0)
+        prompts_all = [[int(t) for t in rng.integers(2, 128, 16)] for _ in range(max(args.batch_sizes))]
+        make = lambda b: Engine.from_model(model, tok, max_num_seqs=b, max_model_len=args.tokens + 32,  # noqa: E731
+                                           max_num_batched_tokens=max(512, 16 * b), block_size=16)
+    else:
+        from rollout.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(None)
+        prompts_all = [tok.encode(f"Question {i}: Write a short paragraph about the number {i} and why it is "
+                                  f"interesting. Answer:") for i in range(max(args.batch_sizes))]
+        base = Engine.from_pretrained(None, max_num_seqs=max(args.batch_sizes), max_model_len=args.tokens + 64,
+                                      max_num_batched_tokens=512)
+        make = lambda b: base  # noqa: E731
+    results = []
+    for b in args.batch_sizes:
+        engine = make(b)
+        runner = engine.runner
+        inner = runner.run
+        in_run = [0.0, 0]
+
+        def timed_run(batch: object, inner: object = inner, acc: list = in_run) -> object:
+            start = time.perf_counter()
+            out = inner(batch)
+            acc[0] += time.perf_counter() - start
+            acc[1] += 1
+            return out
+
+        runner.run = timed_run
+        prompts = prompts_all[:b]
+        modes = {"greedy": SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True),
+                 "sample+logprob": SamplingParams(temperature=1.0, seed=0, max_tokens=args.tokens, ignore_eos=True,
+                                                  logprobs=0)}
+        for mode, sp in modes.items():
+            engine.generate(prompts, sp)  # compiles this shape's programs
+            walls, hosts, steps = [], [], []
+            for _ in range(args.repeats):
+                engine.reset_prefix_cache()
+                in_run[:] = [0.0, 0]
+                start = time.perf_counter()
+                outs = engine.generate(prompts, sp)
+                wall = time.perf_counter() - start
+                assert all(len(o.outputs[0].token_ids) == args.tokens for o in outs)
+                walls.append(wall)
+                hosts.append(wall - in_run[0])
+                steps.append(in_run[1])
+            i = walls.index(statistics.median(walls))
+            results.append(dict(batch=b, mode=mode, tok_s=b * args.tokens / walls[i], steps=steps[i],
+                                host_ms_per_step=1e3 * hosts[i] / max(steps[i], 1), idle_fraction=hosts[i] / walls[i],
+                                compiled_programs=engine.stats().num_compilations,
+                                peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
+        runner.run = inner
+    print(json.dumps(results))
+
+
+def run_side(code_root: str, args: argparse.Namespace) -> list[dict]:
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--code-root", code_root, "--model", args.model,
+           "--batch-sizes", ",".join(map(str, args.batch_sizes)), "--tokens", str(args.tokens),
+           "--repeats", str(args.repeats)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")
+    p.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 64, 256, 512])
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=1, help="alternated rounds per side with --compare")
+    p.add_argument("--compare", metavar="REF", default=None, help="a git revision to measure against")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--code-root", default=ROOT, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+    commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    sides: dict[str, list[list[dict]]] = {"this": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        ref_root = None
+        if args.compare:
+            ref_root = os.path.join(tmp, "ref")
+            subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", ref_root, args.compare], check=True,
+                           capture_output=True)
+            sides["ref"] = []
+        try:
+            for _ in range(args.rounds):
+                if ref_root:
+                    sides["ref"].append(run_side(ref_root, args))
+                sides["this"].append(run_side(ROOT, args))
+        finally:
+            if ref_root:
+                subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", ref_root], capture_output=True)
+    rows, summary = [], []
+    for i, r in enumerate(sides["this"][0]):
+        this_tok = statistics.median(run[i]["tok_s"] for run in sides["this"])
+        ref_tok = statistics.median(run[i]["tok_s"] for run in sides["ref"]) if "ref" in sides else None
+        entry = dict(r, tok_s=this_tok, ref_tok_s=ref_tok, ratio=this_tok / ref_tok if ref_tok else None)
+        summary.append(entry)
+        rows.append((r["batch"], r["mode"], f"{this_tok:.0f}", "-" if ref_tok is None else f"{ref_tok:.0f}",
+                     "-" if ref_tok is None else f"{this_tok / ref_tok:.3f}x", r["steps"],
+                     f"{r['host_ms_per_step']:.2f}", f"{r['idle_fraction']:.2f}"))
+    headers = ("B", "mode", "tok/s", f"tok/s {args.compare or '-'}", "ratio", "steps", "host ms/step", "idle")
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
+    for line in (headers, *rows):
+        print("  ".join(str(x).rjust(w) for x, w in zip(line, widths)))
+    print(json.dumps(dict(benchmark="host_overhead", model=args.model, commit=commit, compare=args.compare,
+                          tokens=args.tokens, results=summary)))
+
+
+if __name__ == "__main__":
+    main()
