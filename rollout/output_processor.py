@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 
 import numpy as np
 
@@ -12,6 +13,15 @@ from rollout.tokenizer import Tokenizer
 from runner.model_runner import StepResult
 
 DraftRecord = tuple[Sequence, int, int]  # (sequence, drafted tokens, accepted drafts) of one verification step
+
+
+class _HostRows:
+    """A step's sampled ids (and logprobs, when some sequence wants them) as Python lists, converted once."""
+
+    def __init__(self, result: StepResult, with_logprobs: bool) -> None:
+        self.result = result
+        self.token_ids: list[list[int]] = result.token_ids.tolist()
+        self.logprobs: list[list[float]] | None = result.logprobs.tolist() if with_logprobs else None
 
 
 class OutputProcessor:
@@ -39,20 +49,22 @@ class OutputProcessor:
         """
         seqs, counts = batch.seqs, batch.num_new_tokens
         widths = [1] * len(seqs) if drafts is None else [1 + len(d) for d in drafts]
-        starts = np.cumsum([0, *widths[:-1]])
-        offsets = np.cumsum([0, *counts[:-1]])  # prefill: each sequence's first token in the step
+        starts = list(itertools.accumulate(widths, initial=0))
         steps = [1] * len(seqs) if batch.is_prefill else counts
         records: list[DraftRecord] = []
         live = []
+        offset = 0  # prefill: the sequence's first token in the step
         for s, seq in enumerate(seqs):
             if batch.is_prefill:
                 if result.token_logprobs is not None and seq.wants_prompt_logprobs:
-                    self._record_prompt_logprobs(seq, result, int(offsets[s]), counts[s])
+                    self._record_prompt_logprobs(seq, result, offset, counts[s])
+                offset += counts[s]
                 seq.num_computed_tokens += counts[s] - 1  # the sampled row below computes the last one
                 if seq.num_computed_tokens + 1 < seq.num_tokens:  # a chunk short of the end: nothing sampled
                     seq.num_computed_tokens += 1
                     continue
             live.append(s)
+        rows = _HostRows(result, any(seqs[s].params.logprobs is not None for s in live))
         steps_run = 0
         for t in range(result.token_ids.shape[0]):
             live = [s for s in live if t < steps[s]]
@@ -61,38 +73,40 @@ class OutputProcessor:
             steps_run += 1
             for s in list(live):
                 seq = seqs[s]
-                draft = () if drafts is None else (drafts[s] if result.draft_ids is None
-                                                   else result.draft_ids[t, s, :len(drafts[s])])
-                done, accepted = self._walk(seq, draft, result, t, int(starts[s]))
-                if drafts is not None:
-                    records.append((seq, len(draft), accepted))
+                if drafts is None:  # one row, nothing to verify
+                    seq.num_computed_tokens += 1
+                    if self._emit(seq, rows, t, starts[s]):
+                        live.remove(s)
+                    continue
+                draft = drafts[s] if result.draft_ids is None else result.draft_ids[t, s, :len(drafts[s])]
+                done, accepted = self._walk(seq, draft, rows, t, starts[s])
+                records.append((seq, len(draft), accepted))
                 if done:
                     live.remove(s)
         return records, steps_run
 
-    def _walk(self, seq: Sequence, draft: np.ndarray | tuple, result: StepResult, step: int, row: int
-              ) -> tuple[bool, int]:
+    def _walk(self, seq: Sequence, draft: np.ndarray, rows: _HostRows, step: int, row: int) -> tuple[bool, int]:
         """One sequence's rows of one step from `row`: emit while drafts match; (finished, accepted drafts)."""
         for r in range(len(draft) + 1):
             seq.num_computed_tokens += 1  # K/V of this row's input token is valid
-            if self._emit(seq, result, step, row + r):
+            if self._emit(seq, rows, step, row + r):
                 return True, r
             if r < len(draft) and int(draft[r]) != seq.token_ids[-1]:
                 return False, r
         return False, len(draft)
 
-    def _emit(self, seq: Sequence, result: StepResult, step: int, row: int) -> bool:
+    def _emit(self, seq: Sequence, rows: _HostRows, step: int, row: int) -> bool:
         """Append the token sampled in `row` of `step`; finish the sequence (and return True) if it stops."""
         if seq.num_output_tokens == 0:  # its prompt's K/V is complete: its sibling samples may share it
             self.scheduler.mark_prefilled(seq)
-        token = int(result.token_ids[step, row])
+        token = rows.token_ids[step][row]
         seq.token_ids.append(token)
         seq.output_versions.append(self.policy_version)
         if seq.params.logprobs is not None:
-            seq.output_logprobs.append(float(result.logprobs[step, row]))
+            seq.output_logprobs.append(rows.logprobs[step][row])
             k = seq.params.logprobs  # the step returns the batch's largest k
-            seq.output_top.append((result.top_ids[step, row, :k].tolist(),
-                                   result.top_logprobs[step, row, :k].tolist()))
+            seq.output_top.append((rows.result.top_ids[step, row, :k].tolist(),
+                                   rows.result.top_logprobs[step, row, :k].tolist()) if k else ([], []))
         if self._check_stop(seq, token):
             self.scheduler.finish(seq)
             return True

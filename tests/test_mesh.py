@@ -313,9 +313,7 @@ def test_sharded_load_pads_heads_reading_slices_only(tmp_path, fmt: str, monkeyp
     from helpers_models import hf_config, random_tensors, write_gguf, write_hf_dir
 
     import runner.models.loader as loader
-    from runner.models.registry import get_family
 
-    family = get_family(CFG.family)
     hf = hf_config("llama", num_attention_heads=6, num_key_value_heads=3, hidden_size=48, intermediate_size=64)
     tensors = random_tensors(hf)
     path = (write_hf_dir(tmp_path / "ckpt", hf, tensors) if fmt == "safetensors"
