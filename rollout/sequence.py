@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 
 from rollout.sampling_params import SamplingParams
+from runner.sampling_rows import SamplingRow
 
 
 class SequenceStatus(enum.Enum):
@@ -42,6 +43,7 @@ class Sequence:
         self.stop_text_checked = ""  # the output text as last searched for stop strings
         self.stop_text_at: int | None = None  # where the stop string that ended it starts in the output text
         self.num_preemptions = 0
+        self.sampling_row: SamplingRow | None = None  # its sampling settings as a step packs them (built once)
         self.tokens_per_draft_step: float | None = None  # speculative decoding: EMA of tokens emitted per verification
 
     @property

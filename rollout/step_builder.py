@@ -9,6 +9,7 @@ import numpy as np
 from rollout.scheduler import ScheduledBatch
 from rollout.sequence import Sequence
 from runner.model_runner import MAX_SUPPRESS, StepBatch
+from runner.sampling_rows import SamplingRows
 
 
 def ending_ids(seq: Sequence, eos_token_ids: tuple[int, ...]) -> list[int]:
@@ -29,6 +30,18 @@ def _top_k(top_k: int) -> int:
     """A request's top-k as the device takes it: 0 = off (also -1, and counts past int32 that mean the
     same as the whole vocabulary)."""
     return top_k if 0 < top_k < 2**31 else 0
+
+
+def sampling_rows(seqs: list[Sequence]) -> SamplingRows:
+    """The sequences' sampling settings, one row each, from tuples each sequence builds once."""
+    rows = []
+    for seq in seqs:
+        if seq.sampling_row is None:
+            p = seq.params
+            seq.sampling_row = (p.temperature, _top_k(p.top_k), p.top_p, p.min_p, seq.seed, seq.sample_index,
+                                p.logprobs_mode == "processed", p.logprobs is not None)
+        rows.append(seq.sampling_row)
+    return SamplingRows.from_rows(rows)
 
 
 def device_stops(seqs: list[Sequence], eos_token_ids: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
@@ -78,16 +91,7 @@ def build_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...],
     params = [s.params for s in seqs]
     return StepBatch(
         token_ids=token_ids, positions=positions, q_lens=counts, kv_lens=kv_lens,
-        block_tables=[s.block_table for s in seqs],
-        temperature=np.array([p.temperature for p in params], np.float32),
-        top_k=np.array([_top_k(p.top_k) for p in params], np.int32),
-        top_p=np.array([p.top_p for p in params], np.float32),
-        min_p=np.array([p.min_p for p in params], np.float32),
-        seeds=np.array([s.seed for s in seqs], np.uint32),
-        sample_index=np.array([s.sample_index for s in seqs], np.int32),
-        processed=np.array([p.logprobs_mode == "processed" for p in params], bool),
-        want_logprob=np.array([p.logprobs is not None for p in params], bool),
-        suppress_ids=suppress,
+        block_tables=[s.block_table for s in seqs], sampling=sampling_rows(seqs), suppress_ids=suppress,
         num_top_logprobs=max((max(p.logprobs or 0, p.prompt_logprobs or 0) for p in params), default=0),
         kind="prefill" if batch.is_prefill else "decode", target_ids=target_ids, replicas=np.array([s.replica for s in seqs], np.int32))
 
@@ -117,7 +121,6 @@ def build_verify_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...], dra
         if seq.num_output_tokens + (0 if multi_step else k) < seq.params.min_tokens:  # steps > 1: the device decides
             ids = ending_ids(seq, eos_token_ids)
             suppress[r, :len(ids)] = ids
-    params = [seqs[i].params for i in row_seq]
     multi: dict[str, np.ndarray] = {}
     if multi_step:
         if not device_drafts or rejection or len(set(counts.tolist())) != 1:
@@ -126,16 +129,7 @@ def build_verify_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...], dra
         multi = dict(num_steps=steps[row_seq], suppress_steps=suppress_steps[row_seq], stop_ids=stop_ids[row_seq])
     return StepBatch(
         token_ids=token_ids, positions=positions, q_lens=counts, kv_lens=starts + counts,
-        block_tables=[s.block_table for s in seqs],
-        temperature=np.array([p.temperature for p in params], np.float32),
-        top_k=np.array([_top_k(p.top_k) for p in params], np.int32),
-        top_p=np.array([p.top_p for p in params], np.float32),
-        min_p=np.array([p.min_p for p in params], np.float32),
-        seeds=np.array([seqs[i].seed for i in row_seq], np.uint32),
-        sample_index=np.array([seqs[i].sample_index for i in row_seq], np.int32),
-        processed=np.array([p.logprobs_mode == "processed" for p in params], bool),
-        want_logprob=np.array([p.logprobs is not None for p in params], bool),
-        suppress_ids=suppress,
+        block_tables=[s.block_table for s in seqs], sampling=sampling_rows(seqs).take(row_seq), suppress_ids=suppress,
         num_top_logprobs=max((s.params.logprobs or 0 for s in seqs), default=0), kind="verify",
         logits_indices=np.arange(len(token_ids), dtype=np.int32), replicas=np.array([s.replica for s in seqs], np.int32),
         draft_ids=np.concatenate([np.append(d, -1) for d in drafts]).astype(np.int32) if rejection else None,

@@ -18,6 +18,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from runner.attention import AttentionMetadata
 from runner.buckets import BucketConfig, pick
+from runner.sampling_rows import SamplingRows
 
 SAMPLER_MODES = ("greedy", "random", "filtered")
 MAX_SUPPRESS = 8  # ids a request may forbid per step (EOS + stop ids before min_tokens)
@@ -60,13 +61,7 @@ class StepBatch:
     q_lens: np.ndarray  # [S] tokens of each sequence in this step
     kv_lens: np.ndarray  # [S] context length of each sequence after this step
     block_tables: list[list[int]]  # [S][blocks] KV blocks of each sequence (global ids)
-    temperature: np.ndarray  # [S]
-    top_k: np.ndarray  # [S]
-    top_p: np.ndarray  # [S]
-    min_p: np.ndarray  # [S]
-    seeds: np.ndarray  # [S]
-    sample_index: np.ndarray  # [S]
-    processed: np.ndarray  # [S] bool: logprobs of the processed distribution
+    sampling: SamplingRows  # [N] how each sampled row samples (N = S, or one per `logits_indices` entry)
     suppress_ids: np.ndarray  # [S, MAX_SUPPRESS] ids forbidden this step, -1 = none
     num_top_logprobs: int = 0
     # what the step does: "prefill" (prompt tokens, chunks, recomputation; samples after each sequence's
@@ -75,14 +70,13 @@ class StepBatch:
     kind: StepKind = "prefill"
     target_ids: np.ndarray | None = None  # [T] next token of each position: asks for per-token logprobs
     # [N] packed tokens whose logits are sampled (speculative verification samples after every token);
-    # None = the last token of each sequence. The sampling arrays above then have N rows, not S.
+    # None = the last token of each sequence. `sampling` then has N rows, not S.
     logits_indices: np.ndarray | None = None
     replicas: np.ndarray | None = None  # [S] data-parallel replica of each sequence; None = all on 0
     draft_ids: np.ndarray | None = None  # [N] draft token each sampled row verifies by rejection sampling (-1 none)
     # [T] drafts made on the device in the same program (EAGLE-3): token t is its sequence's draft
     # `draft_slots[t]` (-1: `token_ids[t]` as given); the rows' `draft_ids` then follow those drafts too.
     draft_slots: np.ndarray | None = None
-    want_logprob: np.ndarray | None = None  # [N] rows whose sampled token's logprob is returned (None: all)
     # Multi-step decode: the step runs up to max(num_steps) decode steps in one device loop, feeding
     # each sampled token back. With `draft_slots` (EAGLE-3), multi-step verification: the arrays have a
     # row per sampled row, holding its sequence's values. None = one plain step.
@@ -97,7 +91,7 @@ class StepBatch:
     @property
     def num_rows(self) -> int:
         """Sampled rows: one per sequence, or one per entry of `logits_indices`."""
-        return len(self.temperature)
+        return len(self.sampling)
 
 
 @jax.tree_util.register_dataclass
@@ -141,7 +135,8 @@ def sampler_mode(b: StepBatch) -> int:
     want processed logprobs)."""
     from runner.sampler import choose_mode  # runner.sampler imports this module
 
-    return SAMPLER_MODES.index(choose_mode(b.temperature, b.top_k, b.top_p, b.min_p, processed=b.processed))
+    r = b.sampling
+    return SAMPLER_MODES.index(choose_mode(r.temperature, r.top_k, r.top_p, r.min_p, processed=r.processed))
 
 
 def split_replicas(b: StepBatch, num_replicas: int, blocks_per_replica: int
@@ -163,13 +158,10 @@ def split_replicas(b: StepBatch, num_replicas: int, blocks_per_replica: int
             b, token_ids=b.token_ids[tok_mask], positions=b.positions[tok_mask], q_lens=b.q_lens[seq_mask],
             kv_lens=b.kv_lens[seq_mask],
             block_tables=[[blk - offset for blk in t] for t, m in zip(b.block_tables, seq_mask) if m],
-            temperature=row(b.temperature), top_k=row(b.top_k), top_p=row(b.top_p), min_p=row(b.min_p),
-            seeds=row(b.seeds), sample_index=row(b.sample_index), processed=row(b.processed),
-            suppress_ids=row(b.suppress_ids),
+            sampling=b.sampling.take(rows), suppress_ids=row(b.suppress_ids),
             target_ids=None if b.target_ids is None else b.target_ids[tok_mask],
             draft_ids=None if b.draft_ids is None else row(b.draft_ids),
             draft_slots=None if b.draft_slots is None else b.draft_slots[tok_mask],
-            want_logprob=None if b.want_logprob is None else row(b.want_logprob),
             num_steps=None if b.num_steps is None else row(b.num_steps),
             suppress_steps=None if b.suppress_steps is None else row(b.suppress_steps),
             stop_ids=None if b.stop_ids is None else row(b.stop_ids),
@@ -285,15 +277,15 @@ def _pad_one(b: StepBatch, s: _Shape) -> DeviceBatch:
     logits_indices = np.cumsum(b.q_lens) - 1 if b.logits_indices is None else b.logits_indices
     sample_positions = b.positions[logits_indices] + 1
     rows = s.rows
+    r = b.sampling
     sampling = SamplingInputs(
-        temperature=pad(b.temperature, rows, 0.0, np.float32), top_k=pad(b.top_k, rows),
-        top_p=pad(b.top_p, rows, 1.0, np.float32), min_p=pad(b.min_p, rows, 0.0, np.float32),
-        seeds=pad(b.seeds, rows, 0, np.uint32), sample_index=pad(b.sample_index, rows),
-        positions=pad(sample_positions, rows), processed=pad(b.processed, rows, False, np.bool_),
+        temperature=pad(r.temperature, rows, 0.0, np.float32), top_k=pad(r.top_k, rows),
+        top_p=pad(r.top_p, rows, 1.0, np.float32), min_p=pad(r.min_p, rows, 0.0, np.float32),
+        seeds=pad(r.seeds, rows, 0, np.uint32), sample_index=pad(r.sample_index, rows),
+        positions=pad(sample_positions, rows), processed=pad(r.processed, rows, False, np.bool_),
         suppress_ids=pad(b.suppress_ids, rows, -1),
         draft_ids=None if b.draft_ids is None else pad(b.draft_ids, rows, -1),
-        want_logprob=pad(np.ones(len(b.temperature), bool) if b.want_logprob is None else b.want_logprob, rows,
-                         False, np.bool_))
+        want_logprob=pad(r.want_logprob, rows, False, np.bool_))
     return DeviceBatch(
         token_ids=pad(b.token_ids, s.padded_tokens), positions=pad(b.positions, s.padded_tokens),
         md=AttentionMetadata(slot_mapping=slot_mapping, kv_lens=kv_lens, page_indices=page_indices,

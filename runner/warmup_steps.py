@@ -14,6 +14,7 @@ import numpy as np
 
 from runner.buckets import BucketConfig, pick
 from runner.kv_cache import KVCacheSpec
+from runner.sampling_rows import SamplingRows
 from runner.step_inputs import MAX_SUPPRESS, StepBatch
 
 
@@ -84,9 +85,8 @@ class DummySteps:
         return dataclasses.replace(
             base, token_ids=np.zeros(n, np.int32),
             positions=np.concatenate([np.arange(capacity - q, capacity, dtype=np.int32) for q in q_lens]),
-            q_lens=q_lens, temperature=rep(base.temperature), top_k=rep(base.top_k),
-            top_p=rep(base.top_p), min_p=rep(base.min_p), seeds=rep(base.seeds), sample_index=rep(base.sample_index),
-            processed=rep(base.processed), suppress_ids=rep(base.suppress_ids), num_top_logprobs=num_top,
+            q_lens=q_lens, sampling=base.sampling.take(np.repeat(np.arange(num_seqs), q_lens)),
+            suppress_ids=rep(base.suppress_ids), num_top_logprobs=num_top,
             kind="verify", num_steps=None, suppress_steps=None, stop_ids=None,
             logits_indices=np.arange(n, dtype=np.int32), draft_slots=slots if self.has_drafter else None)
 
@@ -101,14 +101,12 @@ class DummySteps:
         num_seqs = len(q_lens)
         kv_lens = np.full(num_seqs, capacity, np.int32)
         positions = np.concatenate([np.arange(k - q, k) for k, q in zip(kv_lens, q_lens)]).astype(np.int32)
-        ones = np.ones(num_seqs, np.float32)
         drop = self.kv_spec.blocks_per_replica  # past replica 0's blocks: every write is dropped
         chunk = decode and self.num_scheduler_steps > 1  # decode steps run as (one-step) chunks
         return StepBatch(
             token_ids=np.zeros(len(positions), np.int32), positions=positions, q_lens=q_lens, kv_lens=kv_lens,
-            block_tables=[[drop] * pages] * num_seqs, temperature=ones, top_k=np.zeros(num_seqs, np.int32),
-            top_p=ones, min_p=0 * ones, seeds=np.zeros(num_seqs, np.uint32),
-            sample_index=np.zeros(num_seqs, np.int32), processed=np.zeros(num_seqs, bool),
+            block_tables=[[drop] * pages] * num_seqs,
+            sampling=SamplingRows.from_rows([(1.0, 0, 1.0, 0.0, 0, 0, False, True)] * num_seqs),
             suppress_ids=np.full((num_seqs, MAX_SUPPRESS), -1, np.int32), kind="decode" if decode else "prefill",
             num_steps=np.ones(num_seqs, np.int32) if chunk else None,
             suppress_steps=np.zeros(num_seqs, np.int32) if chunk else None,

@@ -380,7 +380,7 @@ def test_the_engine_steps_take_choose_mode() -> None:
     rows = dict(temperature=np.array([1.0, 0.0], np.float32), top_k=np.array([0, 50], np.int32),
                 top_p=np.ones(2, np.float32), min_p=np.zeros(2, np.float32))
     for processed, want in (([False, False], "random"), ([False, True], "filtered")):
-        step = SimpleNamespace(**rows, processed=np.array(processed))
+        step = SimpleNamespace(sampling=SimpleNamespace(**rows, processed=np.array(processed)))
         assert SAMPLER_MODES[sampler_mode(step)] == want == choose_mode(**rows, processed=np.array(processed))
 
 

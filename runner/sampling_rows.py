@@ -1,0 +1,41 @@
+"""`SamplingRows`: how each sampled row of a step samples, as host arrays, and `SamplingRow`, one
+sequence's settings as a tuple the engine builds once per sequence (not once per step)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+from jaxtyping import Bool, Float, Int, UInt32
+
+# (temperature, top_k (0 = off), top_p, min_p, seed, sample_index, processed logprobs, wants a logprob)
+SamplingRow = tuple[float, int, float, float, int, int, bool, bool]
+_DTYPES = (np.float32, np.int32, np.float32, np.float32, np.uint32, np.int32, np.bool_, np.bool_)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingRows:
+    """One entry per sampled row (N: a row per sequence, or per verified token); padded on the device
+    side into `runner.step_inputs.SamplingInputs`."""
+
+    temperature: Float[np.ndarray, "N"]  # 0 = greedy
+    top_k: Int[np.ndarray, "N"]  # 0 = off
+    top_p: Float[np.ndarray, "N"]  # 1 = off
+    min_p: Float[np.ndarray, "N"]  # 0 = off
+    seeds: UInt32[np.ndarray, "N"]
+    sample_index: Int[np.ndarray, "N"]  # which of its request's n samples the row's sequence is
+    processed: Bool[np.ndarray, "N"]  # logprobs of the processed distribution (else the raw logits')
+    want_logprob: Bool[np.ndarray, "N"]  # rows whose sampled token's logprob is returned
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[SamplingRow]) -> "SamplingRows":
+        columns = zip(*rows) if rows else ((),) * len(_DTYPES)
+        return cls(*(np.array(col, dtype) for col, dtype in zip(columns, _DTYPES)))
+
+    def take(self, index: np.ndarray) -> "SamplingRows":
+        """The rows at `index` (a subset, or rows repeated per verified token)."""
+        return SamplingRows(*(getattr(self, f.name)[index] for f in dataclasses.fields(self)))
+
+    def __len__(self) -> int:
+        return len(self.temperature)
