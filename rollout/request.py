@@ -38,14 +38,18 @@ class Request:
 
 def completion(seq: Sequence, tokenizer: Tokenizer, *, start: int = 0, text_start: int = 0,
                final: bool = True) -> CompletionOutput:
-    """One sample's output from token `start` and text character `text_start` on. A stop string cuts
-    the text where it starts; while the sample runs (`final` False) and it has stop strings, the last
-    `len(longest stop) - 1` characters are held back (they may yet begin a stop string)."""
+    """One sample's output from token `start` and text character `text_start` on. As in vLLM, the text
+    leaves out what stopped it (a stop string, cut where it starts; the stop id or EOS that ended it)
+    unless `include_stop_str_in_output`; `token_ids` keep every token. While the sample runs (`final`
+    False) and it has stop strings, the last `len(longest stop) - 1` characters are held back (they may
+    yet begin a stop string)."""
     p = seq.params
     out_ids = seq.output_ids
-    text = tokenizer.decode(out_ids, skip_special_tokens=p.skip_special_tokens)
+    by_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)  # a stop id or EOS
+    shown = out_ids[:-1] if by_token and not p.include_stop_str_in_output else out_ids
+    text = tokenizer.decode(shown, skip_special_tokens=p.skip_special_tokens)
     if isinstance(seq.stop_reason, str) and seq.stop_text_at is not None:
-        text = text[:seq.stop_text_at]
+        text = text[:seq.stop_text_at + (len(seq.stop_reason) if p.include_stop_str_in_output else 0)]
     elif p.stop and not final and not seq.is_finished:
         text = text[:max(text_start, len(text) - max(map(len, p.stop)) + 1)]
     logprobs = cumulative = None

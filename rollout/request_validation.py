@@ -29,7 +29,13 @@ class RequestLimits:
 def normalize_requests(prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None
                        ) -> tuple[list[Prompt], list[SamplingParams]]:
     """One prompt or several, and one `SamplingParams` (or None: the defaults) or one per prompt."""
-    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, np.integer))):
+    if prompts is None or not isinstance(prompts, (str, list, tuple)):
+        raise ValueError(f"prompts must be a string, a list of token ids, or a list of those; got "
+                         f"{type(prompts).__name__}")
+    if isinstance(sampling_params, dict):
+        raise ValueError("sampling_params must be SamplingParams (or a list of them, one per prompt), got a dict: "
+                         "pass SamplingParams(**your_dict)")
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, float, np.number))):
         prompts = [prompts]
     prompts_list = list(prompts)
     if not prompts_list:
@@ -54,8 +60,14 @@ def prompt_token_ids(prompt: Prompt, sp: SamplingParams, tokenizer: Tokenizer, l
         if not prompt:
             raise ValueError("empty prompt: give at least one character or token")
         ids = tokenizer.encode(prompt)
-    else:
+    elif isinstance(prompt, (list, tuple)):
+        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, (int, np.integer))]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers, got {bad[0]!r} ({type(bad[0]).__name__}); "
+                             "pass text as a string, token ids as ints")
         ids = [int(t) for t in prompt]
+    else:
+        raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
     if not ids:
         raise ValueError("empty prompt: give at least one token")
     vocab = limits.vocab_size

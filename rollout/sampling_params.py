@@ -40,6 +40,7 @@ class SamplingParams:
     logprobs_mode: LogprobsMode = "raw"
     skip_special_tokens: bool = True
     output_kind: OutputKind = "cumulative"
+    include_stop_str_in_output: bool = False  # keep the stop string (or stop id's / EOS's text) in `text`
 
     def __post_init__(self) -> None:
         def fail(msg: str) -> None:
@@ -72,10 +73,17 @@ class SamplingParams:
         if self.output_kind not in ("cumulative", "delta", "final_only"):
             fail(f"output_kind must be 'cumulative', 'delta' or 'final_only', got {self.output_kind!r}")
         stop = self.stop
+        if stop is not None and not isinstance(stop, (str, list, tuple)):
+            fail(f"stop must be a string or a list of strings, got {stop!r}")
         stop = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
         if any(not isinstance(s, str) or not s for s in stop):
             fail(f"stop must be non-empty strings, got {self.stop!r}")
         object.__setattr__(self, "stop", stop)
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise TypeError(f"SamplingParams: stop_token_ids must be a list of token ids, got "
+                            f"{type(self.stop_token_ids).__name__} {self.stop_token_ids!r}")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            fail(f"include_stop_str_in_output must be True or False, got {self.include_stop_str_in_output!r}")
         ids = tuple(self.stop_token_ids or ())
         if any(not isinstance(t, int) or t < 0 for t in ids):
             fail(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")

@@ -43,7 +43,8 @@ FILE_SECONDS = {
     "test_sampler.py": 100, "test_sampler_blocks.py": 85, "test_engine_smollm.py": 122, "test_multi_step.py": 93, "test_attention.py": 86,
     "test_checkpoint.py": 63, "test_model_oracle.py": 49, "test_examples.py": 49, "test_engine_sync.py": 39,
     "test_multihost.py": 26, "test_weight_sync.py": 23, "test_cpu_attention.py": 20, "test_row_matmul.py": 17,
-    "test_tokenizer.py": 11, "test_amx_matmul.py": 14,
+    "test_tokenizer.py": 11, "test_amx_matmul.py": 14, "test_engine_requests.py": 80, "test_async_engine.py": 40,
+    "test_request_semantics.py": 20,
 }
 
 
