@@ -9,7 +9,6 @@ core and adds the blocking clients `generate` / `rollout` over this API.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import time
 from collections.abc import Iterable
@@ -126,8 +125,7 @@ class EngineCore:
             for seq in unfinished:
                 seq.finish_reason = "abort"
             self.scheduler.forget_request(rid)
-            results.append(request_output(dataclasses.replace(req, params=dataclasses.replace(
-                req.params, output_kind="cumulative")), self.tokenizer))
+            results.append(request_output(req, self.tokenizer, kind="cumulative"))
         return results
 
     def has_unfinished_requests(self) -> bool:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from rollout.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from rollout.sampling_params import SamplingParams
+from rollout.sampling_params import OutputKind, SamplingParams
 from rollout.sequence import Sequence
 from rollout.tokenizer import Tokenizer
 
@@ -65,9 +65,9 @@ def completion(seq: Sequence, tokenizer: Tokenizer, *, start: int = 0, text_star
                             policy_versions=versions)
 
 
-def request_output(req: Request, tokenizer: Tokenizer) -> RequestOutput | None:
-    """The output a step reports for `req` under its `output_kind` (None: nothing to report now)."""
-    kind = req.params.output_kind
+def request_output(req: Request, tokenizer: Tokenizer, kind: OutputKind | None = None) -> RequestOutput | None:
+    """The output a step reports for `req` under its `output_kind`, or `kind` (None: nothing to report now)."""
+    kind = kind or req.params.output_kind
     finished = req.finished
     if kind == "final_only" and not finished:
         return None
