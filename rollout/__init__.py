@@ -1,4 +1,4 @@
-"""jax-rollout public API: `Engine`, `AsyncEngine`, `SamplingParams`, outputs, `load_tokenizer`, `NgramConfig`, `Eagle3Config`.
+"""jax-rollout public API: `Engine`, `AsyncEngine`, `SamplingParams`, outputs, `Trajectory`, `load_tokenizer`, `NgramConfig`, `Eagle3Config`.
 
 Names are imported lazily so that the host-side scheduler and block manager stay importable
 (and testable) without JAX.
@@ -18,6 +18,7 @@ _EXPORTS = {
     "CompletionOutput": "rollout.outputs",
     "TokenLogprob": "rollout.outputs",
     "RolloutBatch": "rollout.outputs",
+    "Trajectory": "rollout.trajectory",
     "Tokenizer": "rollout.tokenizer",
     "load_tokenizer": "rollout.tokenizer",
     "NgramConfig": "runner.spec_decode.ngram",

@@ -14,9 +14,10 @@ from rollout.engine_config import EngineConfig, EngineStats
 from rollout.engine_core import EngineCore
 from rollout.outputs import RequestOutput, RolloutBatch
 from rollout.request_validation import Prompt, normalize_requests, prompt_token_ids
-from rollout.rollout_batch import build_rollout_batch
+from rollout.rollout_batch import build_rollout_batch, build_trajectory_batch
 from rollout.sampling_params import SamplingParams
 from rollout.tokenizer import Tokenizer, load_tokenizer
+from rollout.trajectory import Trajectory
 from runner.backends import select_backend
 from runner.buckets import BucketConfig
 from runner.compile_counter import num_compilations
@@ -130,6 +131,12 @@ class Engine(EngineCore):
         outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         return build_rollout_batch(outputs, pad_id=pad_id, policy_version=self.policy_version)
+
+    def trajectory_batch(self, trajectories: list[Trajectory], group_ids: list[int] | None = None) -> RolloutBatch:
+        """Pack multi-turn trajectories for a loss: environment tokens are masked out (rollout/trajectory.py)."""
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        return build_trajectory_batch(trajectories, pad_id=pad_id, policy_version=self.policy_version,
+                                      group_ids=group_ids)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prompt prefix (the next requests recompute their prompts)."""

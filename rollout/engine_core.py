@@ -9,8 +9,10 @@ core and adds the blocking clients `generate` / `rollout` over this API.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
+from collections import OrderedDict
 from collections.abc import Iterable
 
 import numpy as np
@@ -31,6 +33,7 @@ from rollout.tokenizer import Tokenizer
 from runner.model_runner import MAX_SUPPRESS, ModelRunner
 from runner.spec_decode.eagle3_config import Eagle3Config
 
+NUM_RESUMABLE = 4096  # ended requests kept (newest first) so that `resume` can continue them
 
 class EngineCore:
     """A request table over the scheduler, the KV block manager and the model runner."""
@@ -62,6 +65,7 @@ class EngineCore:
         self.weights = WeightUpdater(runner)
         self.stats_ = EngineStats()
         self.requests: dict[str, Request] = {}  # unfinished requests, and finished ones not yet reported
+        self._ended: OrderedDict[str, Request] = OrderedDict()  # the last NUM_RESUMABLE ended requests
         self._deferred: list[RequestOutput] = []  # outputs a blocking client stepped past (see `generate`)
         self._in_step = False  # a step is running: weights may not change under it
         self._auto_ids = itertools.count()
@@ -124,9 +128,51 @@ class EngineCore:
             self.scheduler.abort(unfinished)
             for seq in unfinished:
                 seq.finish_reason = "abort"
-            self.scheduler.forget_request(rid)
+            self._forget(req)
             results.append(request_output(req, self.tokenizer, kind="cumulative"))
         return results
+
+    def resume(self, request_id: str, params: SamplingParams | None = None) -> str:
+        """Continue an ended request whose samples were aborted or cut by `max_tokens`, under the weights
+        in force now. Its computed prefix comes back from the prefix cache; the tokens so far are kept
+        (their logprobs and policy versions too), and each such sample may generate `params.max_tokens`
+        more (default: its original params and what was left of its `max_tokens`). Samples that stopped
+        on a stop rule stay as they are. Returns the request id; its outputs carry the whole completion.
+        The last NUM_RESUMABLE ended requests can be resumed; or add prompt + completion ids as a prompt."""
+        if request_id in self.requests:
+            raise ValueError(f"request {request_id!r} has not ended; abort it first or wait for its last output")
+        req = self._ended.get(request_id)
+        if req is None:
+            raise ValueError(f"no ended request {request_id!r} to resume (only the last {NUM_RESUMABLE} ended ones "
+                             "are kept); add its prompt + completion ids as a new prompt instead")
+        seqs = [s for s in req.seqs if s.finish_reason in ("abort", "length")]
+        sp = req.params if params is None else params
+        extra = {s.seq_id: sp.max_tokens if params is not None else req.params.max_tokens - s.num_output_tokens
+                 for s in seqs}
+        seqs = [s for s in seqs if extra[s.seq_id] > 0]
+        if not seqs:
+            raise ValueError(f"request {request_id!r} has no sample to continue (each stopped on a stop rule or "
+                             "used its max_tokens); pass SamplingParams with the max_tokens to add")
+        for seq in seqs:
+            prompt_token_ids(seq.token_ids, sp, self.tokenizer, self._limits)  # raises before anything changes
+        del self._ended[request_id]
+        for seq in seqs:
+            seq.params = dataclasses.replace(sp, max_tokens=seq.num_output_tokens + extra[seq.seq_id])
+            seq.reset_for_resume()
+            self.scheduler.mark_prefilled(seq)  # its prompt is not shared anew: each sample recomputes its own
+            self.scheduler.add(seq)
+            req.sent_final[seq.sample_index] = False
+        self.requests[request_id] = req
+        return request_id
+
+    def _forget(self, req: Request) -> None:
+        """A request's last output is out: drop it from the table, keep it resumable."""
+        self.requests.pop(req.request_id, None)
+        self.scheduler.forget_request(req.request_id)
+        self._ended[req.request_id] = req
+        self._ended.move_to_end(req.request_id)
+        while len(self._ended) > NUM_RESUMABLE:
+            self._ended.popitem(last=False)
 
     def has_unfinished_requests(self) -> bool:
         """True while some request is queued or running, or has outputs `step()` has not returned yet."""
@@ -148,8 +194,7 @@ class EngineCore:
             if out is not None:
                 results.append(out)
             if req.finished:
-                del self.requests[rid]
-                self.scheduler.forget_request(rid)
+                self._forget(req)
         return results
 
     def _execute(self) -> ScheduledBatch:

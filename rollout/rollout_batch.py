@@ -1,19 +1,59 @@
-"""Packing `RequestOutput`s into a `RolloutBatch` of padded arrays for a jitted policy-gradient loss."""
+"""Packing completions (`RequestOutput`s) or multi-turn `Trajectory`s into a `RolloutBatch` of padded
+arrays for a jitted policy-gradient loss."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
 from rollout.outputs import RequestOutput, RolloutBatch
+from rollout.trajectory import Trajectory
+
+
+@dataclasses.dataclass(frozen=True)
+class _Row:
+    """One batch row: a prompt, what followed it, and which of those tokens the policy sampled."""
+
+    group: int
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    sampled: list[bool]  # True: a policy token (in the loss); False: an environment token
+    logprobs: list[float] | None  # per completion token (0 for environment tokens)
+    versions: list[int | None]
+    finish_reason: str
 
 
 def build_rollout_batch(outputs: list[RequestOutput], *, pad_id: int, policy_version: int | None) -> RolloutBatch:
     """One row per completion, prompt-major; completions without logprobs get zeros there."""
-    rows = [(g, out.prompt_token_ids, c) for g, out in enumerate(outputs) for c in out.outputs]
+    rows = [_Row(g, out.prompt_token_ids, c.token_ids, [True] * len(c.token_ids),
+                 None if c.logprobs is None else [t.logprob for t in c.logprobs], c.policy_versions,
+                 c.finish_reason or "")
+            for g, out in enumerate(outputs) for c in out.outputs]
+    return _pack(rows, pad_id, policy_version)
+
+
+def build_trajectory_batch(trajectories: list[Trajectory], *, pad_id: int, policy_version: int | None = None,
+                           group_ids: list[int] | None = None) -> RolloutBatch:
+    """One row per multi-turn trajectory: `prompt_ids` is its first prompt, `completion_ids` every token
+    after it (policy turns and environment turns), and `completion_mask` / `loss_mask` are 1 only on
+    the tokens the policy sampled (environment tokens 0), so they drop out of the loss."""
+    if group_ids is not None and len(group_ids) != len(trajectories):
+        raise ValueError(f"got {len(group_ids)} group_ids for {len(trajectories)} trajectories")
+    groups = list(range(len(trajectories))) if group_ids is None else group_ids
+    rows = [_Row(g, t.prompt_ids, t.completion_ids, t.sampled_mask, t.logprobs, t.policy_versions,
+                 t.finish_reason or "")
+            for g, t in zip(groups, trajectories)]
+    return _pack(rows, pad_id, policy_version)
+
+
+def _pack(rows: list[_Row], pad_id: int, policy_version: int | None) -> RolloutBatch:
+    if not rows:
+        raise ValueError("a RolloutBatch needs at least one completion")
     num = len(rows)
-    max_prompt = max(len(p) for _, p, _ in rows)
-    max_completion = max(1, max(len(c.token_ids) for _, _, c in rows))
-    total = max(len(p) + len(c.token_ids) for _, p, c in rows)
+    max_prompt = max(len(r.prompt_ids) for r in rows)
+    max_completion = max(1, max(len(r.completion_ids) for r in rows))
+    total = max(len(r.prompt_ids) + len(r.completion_ids) for r in rows)
     prompt_ids = np.full((num, max_prompt), pad_id, np.int32)
     completion_ids = np.full((num, max_completion), pad_id, np.int32)
     completion_mask = np.zeros((num, max_completion), bool)
@@ -25,26 +65,26 @@ def build_rollout_batch(outputs: list[RequestOutput], *, pad_id: int, policy_ver
     prompt_lens = np.zeros(num, np.int32)
     completion_lens = np.zeros(num, np.int32)
     versions = np.full((num, max_completion), -1, np.int32)
-    for r, (_, prompt, c) in enumerate(rows):
-        p, n = len(prompt), len(c.token_ids)
-        prompt_lens[r], completion_lens[r] = p, n
-        prompt_ids[r, :p] = prompt
-        completion_ids[r, :n] = c.token_ids
-        completion_mask[r, :n] = True
-        input_ids[r, :p] = prompt
-        input_ids[r, p:p + n] = c.token_ids
-        attention_mask[r, :p + n] = 1
-        loss_mask[r, p - 1:p - 1 + n] = 1.0
-        versions[r, :len(c.policy_versions)] = [-1 if v is None else v for v in c.policy_versions]
-        if c.logprobs is not None:
-            lp = np.array([t.logprob for t in c.logprobs], np.float32)
-            completion_logprobs[r, :n] = lp
-            logprobs[r, p - 1:p - 1 + n] = lp
+    for i, row in enumerate(rows):
+        p, n = len(row.prompt_ids), len(row.completion_ids)
+        prompt_lens[i], completion_lens[i] = p, n
+        prompt_ids[i, :p] = row.prompt_ids
+        completion_ids[i, :n] = row.completion_ids
+        completion_mask[i, :n] = row.sampled
+        input_ids[i, :p] = row.prompt_ids
+        input_ids[i, p:p + n] = row.completion_ids
+        attention_mask[i, :p + n] = 1
+        loss_mask[i, p - 1:p - 1 + n] = row.sampled
+        versions[i, :len(row.versions)] = [-1 if v is None else v for v in row.versions]
+        if row.logprobs is not None:
+            lp = np.array(row.logprobs, np.float32)
+            completion_logprobs[i, :n] = lp
+            logprobs[i, p - 1:p - 1 + n] = lp
     positions = np.broadcast_to(np.arange(total, dtype=np.int32), (num, total)).copy()
     return RolloutBatch(
         prompt_ids=prompt_ids, prompt_lens=prompt_lens, completion_ids=completion_ids,
         completion_mask=completion_mask, completion_logprobs=completion_logprobs, completion_lens=completion_lens,
-        group_ids=np.array([g for g, _, _ in rows], np.int32), input_ids=input_ids, positions=positions,
+        group_ids=np.array([r.group for r in rows], np.int32), input_ids=input_ids, positions=positions,
         attention_mask=attention_mask, loss_mask=loss_mask, logprobs=logprobs,
-        finish_reasons=tuple(c.finish_reason or "" for _, _, c in rows), policy_version=policy_version,
+        finish_reasons=tuple(r.finish_reason for r in rows), policy_version=policy_version,
         completion_policy_versions=versions, pad_id=pad_id)

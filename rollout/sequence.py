@@ -46,6 +46,14 @@ class Sequence:
         self.sampling_row: SamplingRow | None = None  # its sampling settings as a step packs them (built once)
         self.tokens_per_draft_step: float | None = None  # speculative decoding: EMA of tokens emitted per verification
 
+    def reset_for_resume(self) -> None:
+        """Waiting again after it ended (aborted or cut by length): tokens and results kept, K/V to recompute."""
+        self.status = SequenceStatus.WAITING
+        self.finish_reason = self.stop_reason = self.stop_text_at = None
+        self.num_computed_tokens = self.num_cached_tokens = 0
+        self.block_table = []
+        self.sampling_row = None  # its params changed (max_tokens)
+
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)

@@ -148,9 +148,9 @@ def test_sync_between_steps_stamps_versions(engine: Engine, model, recompute: bo
     assert (batch.completion_policy_versions[0, :30] == 9).all()
 
 
-def test_random_add_abort_sync_interleavings_lose_nothing(model, ref: Reference) -> None:
-    """A seeded property test: random adds, aborts, steps and syncs; no request is lost, no KV block
-    leaks, and every request that ran to its end under one version equals the reference."""
+def test_random_add_abort_resume_sync_interleavings_lose_nothing(model, ref: Reference) -> None:
+    """A seeded property test: 1,000 random adds, aborts, resumes, steps and syncs; no request is lost,
+    no KV block leaks, and every request that ran to its end (resumed or not) equals the reference."""
     engine = Engine.from_model(model, ByteTokenizer(), **{**ENGINE_KW, "kv_cache_blocks": 24})
     free = engine.block_manager.num_free_blocks
     rng = np.random.default_rng(0)
@@ -159,16 +159,22 @@ def test_random_add_abort_sync_interleavings_lose_nothing(model, ref: Reference)
     same_weights = to_hf(model)
     added: dict[str, list[int]] = {}
     finished: dict[str, RequestOutput] = {}
-    for op in range(300):
+    num_resumed = 0
+    for op in range(1000):
         r = rng.random()
-        if r < 0.3:
+        if r < 0.25:
             prompt = rand_prompt(rng, int(rng.integers(1, 50)))
             sp = SamplingParams(temperature=0.0, max_tokens=int(rng.integers(1, 40)), ignore_eos=True)
             added[engine.add_request(prompt, sp)] = prompt
-        elif r < 0.4 and added:
-            for out in engine.abort(str(rng.choice(list(added)))):
+        elif r < 0.33 and engine.requests:
+            for out in engine.abort(str(rng.choice(list(engine.requests)))):
                 finished[out.request_id] = out
-        elif r < 0.43:
+        elif r < 0.38 and (aborted := [k for k, o in finished.items() if o.outputs[0].finish_reason == "abort"]):
+            rid = str(rng.choice(aborted))
+            engine.resume(rid)
+            del finished[rid]
+            num_resumed += 1
+        elif r < 0.41:
             engine.sync_weights(same_weights, "hf")  # the same values: outputs must not change
         else:
             for out in engine.step():
@@ -176,12 +182,11 @@ def test_random_add_abort_sync_interleavings_lose_nothing(model, ref: Reference)
                     finished[out.request_id] = out
     for out in engine.abort(list(engine.requests)):
         finished[out.request_id] = out
-    assert set(finished) == set(added) and not engine.has_unfinished_requests()
+    assert set(finished) == set(added) and not engine.has_unfinished_requests() and num_resumed > 20
     assert engine.block_manager.num_free_blocks == free
     for rid, out in finished.items():
         c = out.outputs[0]
-        if c.finish_reason != "abort":
-            assert c.token_ids == ref.greedy(added[rid], len(c.token_ids)), rid
+        assert c.token_ids == ref.greedy(added[rid], len(c.token_ids)), rid
 
 
 def test_a_next_turn_reuses_the_finished_turns_kv(engine: Engine, ref: Reference) -> None:
@@ -206,3 +211,98 @@ def test_a_next_turn_reuses_the_finished_turns_kv(engine: Engine, ref: Reference
     (rest,) = engine.generate([resumed], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     assert engine.stats().prefix_cache_hit_tokens - before == 16 * ((len(resumed) - 1) // 16)
     assert rest.outputs[0].token_ids == ref.greedy(resumed, 8)
+
+
+def test_resume_continues_under_the_new_weights_from_the_prefix_cache(engine: Engine, model, ref: Reference) -> None:
+    """Partial rollouts: an aborted request is resumed after a weight update; its computed blocks come
+    from the prefix cache, the old tokens (and their versions) are kept, and the continuation is the new
+    model's greedy continuation."""
+    from test_weight_sync import to_hf
+
+    prompt = rand_prompt(np.random.default_rng(9), 21)
+    sp = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True, logprobs=0)
+    rid = engine.add_request(prompt, sp, "long")
+    while len(engine.requests[rid].seqs[0].output_ids) < 20:
+        engine.step()
+    (partial,) = engine.abort(rid)
+    done = partial.outputs[0].token_ids
+    assert partial.outputs[0].finish_reason == "abort" and done == ref.greedy(prompt, len(done))
+    new = perturb(model, 6)
+    engine.sync_weights(to_hf(new), "hf", version=3)
+    before = engine.stats().prefix_cache_hit_tokens
+    assert engine.resume("long") == "long"
+    (final,) = run_to_end(engine)["long"][-1:]
+    assert engine.stats().prefix_cache_hit_tokens == before  # the sync dropped the cache: all recomputed
+    c = final.outputs[0]
+    assert len(c.token_ids) == 60 and c.token_ids[:len(done)] == done and c.finish_reason == "length"
+    assert c.policy_versions == [None] * len(done) + [3] * (60 - len(done))
+    assert c.token_ids[len(done):] == Reference(new).greedy(prompt + done, 60 - len(done))
+    _, logp = Reference(new).logits(prompt + c.token_ids)
+    resumed_lp = [t.logprob for t in c.logprobs[len(done):]]
+    want = [logp[len(prompt) + i - 1, t] for i, t in enumerate(c.token_ids) if i >= len(done)]
+    np.testing.assert_allclose(resumed_lp, want, atol=2e-4)
+    # without a sync in between the prefix cache serves the computed blocks
+    rid = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), "again")
+    while len(engine.requests[rid].seqs[0].output_ids) < 20:
+        engine.step()
+    (partial,) = engine.abort(rid)
+    n = len(partial.outputs[0].token_ids)
+    before = engine.stats().prefix_cache_hit_tokens
+    engine.resume("again")
+    (final,) = run_to_end(engine)["again"][-1:]
+    assert engine.stats().prefix_cache_hit_tokens - before == 16 * ((len(prompt) + n - 1) // 16)
+    assert final.outputs[0].token_ids == Reference(new).greedy(prompt, 40)
+
+
+def test_resume_after_length_equals_one_longer_run(engine: Engine) -> None:
+    """Randomness is keyed by (seed, sample, position): a seeded sample cut by max_tokens and resumed
+    for more tokens equals one run with the larger max_tokens. Bad resumes raise and change nothing."""
+    free = engine.block_manager.num_free_blocks
+    sp = SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=24, ignore_eos=True, logprobs=0)
+    (whole,) = engine.generate([PROMPTS[2]], sp)
+    rid = engine.add_request(PROMPTS[2], SamplingParams(**{**_fields(sp), "max_tokens": 10}))
+    run_to_end(engine)
+    with pytest.raises(ValueError, match="no sample to continue"):
+        engine.resume(rid)  # each used its max_tokens: say how many more
+    with pytest.raises(ValueError, match="no ended request"):
+        engine.resume("never-added")
+    engine.resume(rid, SamplingParams(**{**_fields(sp), "max_tokens": 14}))
+    with pytest.raises(ValueError, match="has not ended"):
+        engine.resume(rid)
+    (final,) = run_to_end(engine)[rid][-1:]
+    assert [c.token_ids for c in final.outputs] == [c.token_ids for c in whole.outputs]
+    for got, want in zip(final.outputs, whole.outputs):
+        np.testing.assert_allclose([t.logprob for t in got.logprobs], [t.logprob for t in want.logprobs], atol=1e-4)
+    assert engine.block_manager.num_free_blocks == free  # cached blocks count as free
+
+
+def test_multi_turn_trajectories_mask_environment_tokens(engine: Engine, ref: Reference) -> None:
+    """Token in, token out over three turns: each turn's prompt is the trajectory's ids; the packed
+    batch has the policy's logprobs on its own tokens and environment tokens out of the loss."""
+    from rollout.trajectory import Trajectory
+
+    rng = np.random.default_rng(12)
+    trajectories = [Trajectory(rand_prompt(rng, n)) for n in (9, 26)]
+    sp = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True, logprobs=0)
+    hits = engine.stats().prefix_cache_hit_tokens
+    for turn in range(3):
+        outs = engine.generate([t.token_ids for t in trajectories], sp)
+        for t, out in zip(trajectories, outs):
+            assert out.outputs[0].token_ids == ref.greedy(t.token_ids, 7)
+            t.add_completion(out.outputs[0])
+            if turn < 2:
+                t.add_environment(rand_prompt(rng, 5))
+    assert engine.stats().prefix_cache_hit_tokens > hits
+    batch = engine.trajectory_batch(trajectories)
+    for b, t in enumerate(trajectories):
+        p, n = len(t.prompt_ids), len(t.completion_ids)
+        assert n == 3 * 7 + 2 * 5 and t.num_turns == 3
+        want_mask = np.array([True] * 7 + [False] * 5 + [True] * 7 + [False] * 5 + [True] * 7)
+        np.testing.assert_array_equal(batch.completion_mask[b, :n], want_mask)
+        np.testing.assert_array_equal(batch.loss_mask[b, p - 1:p - 1 + n], want_mask)
+        assert batch.loss_mask[b].sum() == 21 and list(batch.input_ids[b, :p + n]) == t.token_ids
+        _, logp = ref.logits(t.token_ids)
+        for i in np.flatnonzero(want_mask):
+            assert batch.logprobs[b, p - 1 + i] == pytest.approx(logp[p - 1 + i, t.completion_ids[i]], abs=2e-4)
+        assert (batch.logprobs[b, p - 1:p - 1 + n][~want_mask] == 0).all()
+        assert (batch.completion_policy_versions[b, :n][~want_mask] == -1).all()
