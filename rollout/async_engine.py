@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from rollout.engine import Engine
 from rollout.outputs import RequestOutput
@@ -32,9 +32,19 @@ class AsyncEngine:
                               request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as steps produce them (as its `output_kind` says; the last one has
         `finished=True`). Leaving the loop early (break, cancellation) aborts the request."""
+        async for out in self._stream(lambda: self.engine.add_request(prompt, params, request_id)):
+            yield out
+
+    async def resume_stream(self, request_id: str, params: SamplingParams | None = None
+                            ) -> AsyncIterator[RequestOutput]:
+        """`Engine.resume` (an aborted or length-capped request goes on under the current weights), streamed."""
+        async for out in self._stream(lambda: self.engine.resume(request_id, params)):
+            yield out
+
+    async def _stream(self, add: Callable[[], str]) -> AsyncIterator[RequestOutput]:
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         async with self._lock:
-            rid = self.engine.add_request(prompt, params, request_id)  # a bad request raises here
+            rid = add()  # a bad request raises here
             self._queues[rid] = queue
         self._start()
         done = False

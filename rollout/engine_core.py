@@ -90,6 +90,10 @@ class EngineCore:
         request_id = self._check_request_id(request_id)
         return self._add(prompt if isinstance(prompt, str) else None, ids, params, request_id)
 
+    def check_request(self, prompt: Prompt, params: SamplingParams) -> list[int]:
+        """The prompt's token ids, or the `ValueError` `add_request` would raise (nothing is queued)."""
+        return prompt_token_ids(prompt, params, self.tokenizer, self._limits)
+
     def _check_request_id(self, request_id: str | None) -> str:
         if request_id is None:
             while (request_id := str(next(self._auto_ids))) in self.requests:
