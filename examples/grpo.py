@@ -78,6 +78,7 @@ class Config:
     out_dir: str | None = "examples/results"  # None: write nothing
     name: str = "grpo"
     max_num_batched_tokens: int = 1024
+    seq_len: int | None = None  # prompt + completion budget of the jitted loss (None: from the task's prompts)
     advantage_fn: AdvantageFn = grpo_advantages
     reward_fn: Callable[[str, rl.Problem], float] | None = None  # None: rl.score (tests swap it)
 
@@ -125,7 +126,7 @@ class Trainer:
         # Fixed shapes for the jitted loss: prompt budget (longest prompt of a sample + slack) + max_tokens.
         probe = rl.make_problems(np.random.default_rng(12345), 64)
         longest = max(len(tokenizer.encode(rl.build_prompt(tokenizer, p))) for p in probe)
-        self.seq_len = -(-(longest + 2 + cfg.max_tokens) // 8) * 8
+        self.seq_len = cfg.seq_len or -(-(longest + 2 + cfg.max_tokens) // 8) * 8
         self.engine = Engine.from_model(self.model, tokenizer, max_num_seqs=max(64, cfg.prompts_per_step * cfg.group_size),
                                         max_model_len=self.seq_len, max_num_batched_tokens=cfg.max_num_batched_tokens,
                                         seed=cfg.seed)
@@ -197,10 +198,11 @@ def format_log(r: StepLog) -> str:
             f"rollout {r.rollout_s:5.1f}s ({r.rollout_tok_s:4.0f} tok/s)  train {r.train_s:4.1f}s  sync {r.sync_s:.2f}s")
 
 
-def run(cfg: Config, *, log: Callable[[str], None] = print) -> list[StepLog]:
+def run(cfg: Config, *, log: Callable[[str], None] = print, trainer_cls: type[Trainer] = Trainer,
+        format_step: Callable[[StepLog], str] = format_log) -> list[StepLog]:
     """Train for `cfg.steps` steps; returns the per-step logs (and writes the plot / JSON / log)."""
     t_start = time.perf_counter()
-    trainer = Trainer(cfg)
+    trainer = trainer_cls(cfg)
     setup_s = time.perf_counter() - t_start
     lines = [f"setup {setup_s:.1f}s  train layers [{trainer.first}, {trainer.model.config.num_hidden_layers}) "
              f"+ final norm  seq_len {trainer.seq_len}"]
@@ -208,7 +210,7 @@ def run(cfg: Config, *, log: Callable[[str], None] = print) -> list[StepLog]:
     logs = []
     for step in range(cfg.steps):
         logs.append(trainer.step(step))
-        lines.append(format_log(logs[-1]))
+        lines.append(format_step(logs[-1]))
         log(lines[-1])
     total_s = time.perf_counter() - t_start
     rewards = [r.reward for r in logs]

@@ -270,6 +270,7 @@ class EngineCore:
                                    draft_mapping=draft_mapping)
         try:
             self.weights.write(plans, params, draft_params, check_finite=check_finite)
+            self.runner.weights_updated()
         finally:  # even a sync that failed part way (device memory) may have changed weights
             self.block_manager.invalidate_prefix_cache()
         if recompute_running:

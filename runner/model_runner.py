@@ -265,6 +265,11 @@ class ModelRunner:
         self._refresh_packed(params)
         return params, jax.tree.leaves(self.rest)
 
+    def weights_updated(self) -> None:
+        """After `sync_weights` wrote new arrays: recompute the packed weights now, inside the sync
+        (else the next step would pay for it)."""
+        self._refresh_packed(jax.tree.leaves(self.params))
+
     def _refresh_packed(self, params: list[Array]) -> None:
         """Recompute the backend's packed weights in `rest` if any parameter array was replaced since."""
         ids = tuple(map(id, params))
@@ -280,6 +285,9 @@ class ModelRunner:
         of rejection-sampling verification.
         """
         count = 0
+        if self._repack is not None:  # the repacking program a weight sync runs
+            self.rest = self._repack(self.params, self.rest)
+            count += 1
         for step in self.dummy_steps.every_bucket(prompt_logprobs=prompt_logprobs, speculative_k=speculative_k,
                                                   rejection=rejection):
             self.run(step)

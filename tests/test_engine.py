@@ -497,6 +497,12 @@ def test_no_compilation_after_warmup(engine: Engine) -> None:
         engine.generate(prompts, sp)
         compiled[name] = num_compilations() - before
     assert compiled == {name: 0 for name in calls}, f"compilations after warmup(): {compiled}"
+    from flax import nnx
+
+    before = num_compilations()  # a weight sync (and the repacking of packed kernels it implies) neither
+    engine.sync_weights(nnx.state(engine.model, nnx.Param))
+    engine.generate(*calls["full batch"])
+    assert num_compilations() == before, "a sync after warmup() compiled"
 
 
 def test_no_compilation_after_warmup_prompt_logprobs(model: LlamaForCausalLM) -> None:

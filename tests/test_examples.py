@@ -98,6 +98,59 @@ def test_grpo_two_steps_tiny() -> None:
     assert np.abs(engine_after - engine_before).max() > 1e-4, "engine outputs should change after sync_weights"
 
 
+def test_calculator_tool() -> None:
+    import tool_use
+
+    assert tool_use.calculate("12 * 34") == "408" and tool_use.calculate("(3 + 4) / 2") == "3.5"
+    assert tool_use.calculate("__import__('os')") == "error" and tool_use.calculate("1 / 0") == "error"
+    assert tool_use.tool_call("Let me see.\nCALC: 23 * 47\n") == "23 * 47"
+    assert tool_use.tool_call("Answer: 12") is None
+
+
+def test_tool_use_trajectories_mask_the_calculator() -> None:
+    """The tool-use loop on a scripted policy (a CALC turn, then the answer): the calculator's ChatML
+    turn is appended as environment tokens, out of the loss; the packed batch lines up with `pack`."""
+    import asyncio
+
+    import tool_use
+    from rollout import CompletionOutput, RequestOutput, TokenLogprob
+
+    cfg = grpo.Config(tiny=True, steps=1, prompts_per_step=1, group_size=2, max_tokens=16, train_layers=1,
+                      out_dir=None, seq_len=240)
+    trainer = tool_use.ToolTrainer(cfg)
+    tok = trainer.tokenizer
+    replies = iter(["CALC: 12 * 34", "Answer: 408"] * 2)
+
+    class ScriptedEngine:
+        async def generate(self, prompt_ids: list[int], sp) -> RequestOutput:
+            ids = tok.encode(next(replies), add_special_tokens=False) + trainer.end_id
+            c = CompletionOutput(0, ids, tok.decode(ids), [TokenLogprob(t, -0.5, {}) for t in ids], -0.5 * len(ids),
+                                 "stop", None, 3, [3] * len(ids))
+            return RequestOutput("r", None, prompt_ids, None, [c])
+
+    problem = rl.Problem("What is 12 * 34?", 408)
+    traj, text, calls = asyncio.run(trainer.trajectory(ScriptedEngine(), problem, seed=0))
+    assert calls == 1 and traj.num_turns == 2 and rl.score(text, 408)[1]
+    env = tok.decode([t for t, m in zip(traj.completion_ids, traj.sampled_mask) if not m], skip_special_tokens=False)
+    assert env == "\n<|im_start|>user\nResult: 408<|im_end|>\n<|im_start|>assistant\n"
+    batch = trainer.engine.trajectory_batch([traj, traj], group_ids=[0, 0])
+    packed = rl.pack(batch, np.ones(2), trainer.seq_len, trainer.completion_len)
+    assert packed["mask"][0].sum() == sum(traj.sampled_mask) and packed["mask"].sum() == batch.loss_mask.sum()
+    np.testing.assert_array_equal(packed["old_logprobs"][0][packed["mask"][0] > 0], -0.5)
+    assert (batch.completion_policy_versions[0][:len(traj.completion_ids)] == np.where(traj.sampled_mask, 3, -1)).all()
+
+
+def test_tool_use_step_tiny() -> None:
+    import tool_use
+
+    cfg = grpo.Config(tiny=True, steps=1, prompts_per_step=2, group_size=2, max_tokens=8, train_layers=1,
+                      out_dir=None, seq_len=240)
+    trainer = tool_use.ToolTrainer(cfg)
+    log = trainer.step(0)
+    assert np.isfinite(log.loss) and log.turns >= 1 and log.completion_len > 0 and log.mismatch_max < 1e-5
+    assert trainer.engine.policy_version == 1 and not trainer.engine.requests
+
+
 @pytest.mark.parametrize("script", ["grpo", "rloo"])
 def test_cli_parses(script: str) -> None:
     module = {"grpo": grpo, "rloo": rloo}[script]
