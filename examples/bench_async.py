@@ -12,8 +12,9 @@
     (`openai.AsyncOpenAI`, /v1/completions) vs the in-process `Engine.generate` on the same requests: R1
     B = 64, 128 greedy tokens. Ratio server / in-process tokens/s (target >= 0.8); token ids must match.
 (c) In-flight weight sync: B = 8 (R1) decoding 128 tokens with `sync_weights` (the full model, its own
-    `nnx.State`) after every 4th step, against the same run without syncs. The decode stall per sync
-    ((with - without) / syncs) over a bare sync with nothing running (target <= 1.5).
+    `nnx.State`) after every 4th engine step. The decode stall per sync (median of sync + the step after
+    it, minus the median step without a sync before it) over a bare sync with nothing running (target
+    <= 1.5).
 
 Rounds alternate the two sides of each comparison; medians. Ends with one JSON line.
 """
@@ -96,14 +97,14 @@ def part_b(rounds: int, clients: int = 64, tokens: int = 128) -> dict[str, float
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     server = subprocess.Popen([sys.executable, "-m", "rollout.serve", "--port", str(port), "--max-model-len", "256",
-                               "--max-num-seqs", str(clients), "--max-num-batched-tokens", "1024", "--no-warmup"],
+                               "--max-num-seqs", str(clients), "--max-num-batched-tokens", "1024"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         engine = make_engine(False, clients, 256)
         prompts = [bc.r1_prompt(i) for i in range(clients)]
         sp = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
         url = f"http://127.0.0.1:{port}"
-        for _ in range(1200):
+        for _ in range(2400):  # the server compiles every step bucket first
             try:
                 if urllib.request.urlopen(url + "/health", timeout=5).status == 200:
                     break
@@ -111,12 +112,12 @@ def part_b(rounds: int, clients: int = 64, tokens: int = 128) -> dict[str, float
                 time.sleep(0.25)
 
         async def served() -> tuple[float, list[list[int]]]:
-            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
-            t0 = time.perf_counter()
-            rs = await asyncio.gather(*(client.completions.create(
-                model="SmolLM2-135M-Instruct", prompt=p, max_tokens=tokens, temperature=0.0,
-                extra_body={"ignore_eos": True, "return_token_ids": True}) for p in prompts))
-            return time.perf_counter() - t0, [r.choices[0].token_ids for r in rs]
+            async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600) as client:
+                t0 = time.perf_counter()
+                rs = await asyncio.gather(*(client.completions.create(
+                    model="SmolLM2-135M-Instruct", prompt=p, max_tokens=tokens, temperature=0.0,
+                    extra_body={"ignore_eos": True, "return_token_ids": True}) for p in prompts))
+                return time.perf_counter() - t0, [r.choices[0].token_ids for r in rs]
 
         def local() -> tuple[float, list[list[int]]]:
             t0 = time.perf_counter()
@@ -151,35 +152,44 @@ def part_c(tiny: bool, rounds: int, batch: int = 8, tokens: int = 128, every: in
     prompts = [bc.r1_prompt(i) for i in range(batch)]
     sp = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
 
-    def decode(sync: bool) -> tuple[float, int]:
+    def decode(sync: bool) -> tuple[list[float], list[float]]:
+        """Step times of one run; with `sync`, a sync after every `every`-th step: (plain step times,
+        sync + the step after it)."""
         for p in prompts:
             engine.add_request(p, sp)
-        t0, steps, syncs = time.perf_counter(), 0, 0
+        plain, synced, steps = [], [], 0
+        pending = None  # the time of the sync before this step
         while engine.has_unfinished_requests():
+            t0 = time.perf_counter()
             engine.step()
-            steps += 1
+            dt = time.perf_counter() - t0
+            (plain if pending is None else synced).append(dt + (pending or 0.0))
+            pending, steps = None, steps + 1
             if sync and steps % every == 0 and engine.has_unfinished_requests():
+                t0 = time.perf_counter()
                 engine.sync_weights(params)
-                syncs += 1
-        return time.perf_counter() - t0, syncs
+                pending = time.perf_counter() - t0
+        return plain, synced
 
     def bare() -> float:
         t0 = time.perf_counter()
         engine.sync_weights(params)
         return time.perf_counter() - t0
 
-    decode(False), decode(True), bare()
-    plain, synced, bare_s, num_syncs = [], [], [], 0
+    decode(True), bare()
+    plain, synced, bare_s = [], [], []
     for _ in range(rounds):
-        plain.append(decode(False)[0])
-        t, num_syncs = decode(True)
-        synced.append(t)
+        p_times, s_times = decode(True)
+        plain += p_times[1:]  # the first is the prefill
+        synced += s_times
         bare_s += [bare() for _ in range(5)]
-    stall = (statistics.median(synced) - statistics.median(plain)) / max(num_syncs, 1)
+    step_med = statistics.median(plain)
+    stall = statistics.median(synced) - step_med
     bare_med = statistics.median(bare_s)
+    num_syncs = len(synced)
     bc.print_table([f"(c) B={batch} decode, sync every {every} steps", "s"],
-                   [["decode without syncs", f"{statistics.median(plain):.3f}"],
-                    [f"decode with {num_syncs} syncs", f"{statistics.median(synced):.3f}"],
+                   [["decode call (8 steps)", f"{step_med:.3f}"],
+                    [f"sync + the call after it ({num_syncs} syncs)", f"{statistics.median(synced):.3f}"],
                     ["stall per sync", f"{stall * 1e3:.1f} ms"], ["bare sync", f"{bare_med * 1e3:.1f} ms"],
                     ["ratio stall / bare sync", f"{stall / bare_med:.2f}"]])
     return dict(c_stall_ms=stall * 1e3, c_bare_sync_ms=bare_med * 1e3, c_ratio=stall / bare_med, c_num_syncs=num_syncs)

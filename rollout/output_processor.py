@@ -12,6 +12,7 @@ from rollout.sequence import Sequence
 from rollout.tokenizer import Tokenizer
 from runner.model_runner import StepResult
 
+_NO_TOP: tuple[list[int], list[float]] = ([], [])  # the alternatives of a token when none were asked for
 DraftRecord = tuple[Sequence, int, int]  # (sequence, drafted tokens, accepted drafts) of one verification step
 
 
@@ -32,6 +33,7 @@ class OutputProcessor:
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.eos_ids_ordered = tuple(eos_token_ids)
         self.max_model_len = max_model_len
         self.policy_version: int | None = None  # recorded with every token appended
 
@@ -64,6 +66,8 @@ class OutputProcessor:
                     seq.num_computed_tokens += 1
                     continue
             live.append(s)
+        if drafts is None:  # one row per sequence and step
+            return [], self._apply_rows(seqs, live, steps, result)
         rows = _HostRows(result, any(seqs[s].params.logprobs is not None for s in live))
         steps_run = 0
         for t in range(result.token_ids.shape[0]):
@@ -73,17 +77,87 @@ class OutputProcessor:
             steps_run += 1
             for s in list(live):
                 seq = seqs[s]
-                if drafts is None:  # one row, nothing to verify
-                    seq.num_computed_tokens += 1
-                    if self._emit(seq, rows, t, starts[s]):
-                        live.remove(s)
-                    continue
                 draft = drafts[s] if result.draft_ids is None else result.draft_ids[t, s, :len(drafts[s])]
                 done, accepted = self._walk(seq, draft, rows, t, starts[s])
                 records.append((seq, len(draft), accepted))
                 if done:
                     live.remove(s)
         return records, steps_run
+
+    def _apply_rows(self, seqs: list[Sequence], live: list[int], steps: list[int], result: StepResult) -> int:
+        """Steps without drafts: sequence s's token of step t sits in row s. The stop ids, `min_tokens`
+        and the length limits are checked on arrays for all sequences at once and each sequence takes
+        its tokens in one slice; sequences with stop strings go token by token (text must be decoded).
+        Returns how many steps carried a live sequence."""
+        few = len(live) * result.token_ids.shape[0] <= 16  # array set-up would cost more than it saves
+        plain = [] if few else [s for s in live if not seqs[s].params.stop]
+        steps_run = 0
+        if plain:
+            steps_run = self._take_tokens([seqs[s] for s in plain], np.asarray(plain), np.asarray(
+                [steps[s] for s in plain]), result)
+        wordy = live if few else [s for s in live if seqs[s].params.stop]
+        if wordy:
+            rows = _HostRows(result, any(seqs[s].params.logprobs is not None for s in wordy))
+            for s in wordy:
+                seq = seqs[s]
+                for t in range(min(steps[s], result.token_ids.shape[0])):
+                    seq.num_computed_tokens += 1
+                    steps_run = max(steps_run, t + 1)
+                    if self._emit(seq, rows, t, s):
+                        break
+        return steps_run
+
+    def _take_tokens(self, seqs: list[Sequence], rows: np.ndarray, steps: np.ndarray, result: StepResult) -> int:
+        tokens = result.token_ids[:, rows]  # [T, L]
+        t = np.arange(tokens.shape[0])[:, None]
+        num_out = np.array([s.num_output_tokens for s in seqs])
+        params = [s.params for s in seqs]
+        limit = np.minimum(np.array([p.max_tokens for p in params]) - num_out,
+                           self.max_model_len - np.array([s.num_tokens for s in seqs]))
+        ending = self._ending_ids(seqs)
+        hit = (tokens[:, :, None] == ending[None]).any(-1)
+        hit &= num_out[None] + t + 1 >= np.array([p.min_tokens for p in params])[None]
+        ends = (hit | (t + 1 >= limit[None])) & (t < steps[None])
+        finished = ends.any(0)
+        counts = np.where(finished, ends.argmax(0) + 1, np.minimum(steps, tokens.shape[0]))
+        columns = tokens.T.tolist()
+        want_logprobs = [p.logprobs is not None for p in params]
+        logprobs = result.logprobs[:, rows].T.tolist() if any(want_logprobs) else None
+        version = self.policy_version
+        for j, seq in enumerate(seqs):
+            n = int(counts[j])
+            if seq.num_output_tokens == 0:  # its prompt's K/V is complete: its sibling samples may share it
+                self.scheduler.mark_prefilled(seq)
+            new = columns[j][:n]
+            seq.token_ids += new
+            seq.num_computed_tokens += n
+            seq.output_versions += [version] * n
+            if want_logprobs[j]:
+                seq.output_logprobs += logprobs[j][:n]
+                k = params[j].logprobs
+                seq.output_top += [(result.top_ids[i, rows[j], :k].tolist(),
+                                    result.top_logprobs[i, rows[j], :k].tolist()) for i in range(n)] if k else [_NO_TOP] * n
+            if finished[j]:
+                if hit[n - 1, j]:
+                    seq.finish_reason = "stop"
+                    seq.stop_reason = new[-1] if new[-1] in params[j].stop_token_ids else None
+                else:
+                    seq.finish_reason = "length"
+                self.scheduler.finish(seq)
+        return int(counts.max(initial=0))
+
+    def _ending_ids(self, seqs: list[Sequence]) -> np.ndarray:
+        """[L, M] the ids that stop each sequence (EOS unless ignored, its stop ids), padded with -1."""
+        rows = []
+        for seq in seqs:
+            if seq.ending_ids is None:
+                eos = () if seq.params.ignore_eos else self.eos_ids_ordered
+                seq.ending_ids = tuple(dict.fromkeys([*eos, *seq.params.stop_token_ids]))
+            rows.append(seq.ending_ids)
+        out = np.full((len(rows), max(1, max(map(len, rows)))), -1, np.int64)
+        for i, ids in enumerate(rows):
+            out[i, :len(ids)] = ids
+        return out
 
     def _walk(self, seq: Sequence, draft: np.ndarray, rows: _HostRows, step: int, row: int) -> tuple[bool, int]:
         """One sequence's rows of one step from `row`: emit while drafts match; (finished, accepted drafts)."""
@@ -106,7 +180,7 @@ class OutputProcessor:
             seq.output_logprobs.append(rows.logprobs[step][row])
             k = seq.params.logprobs  # the step returns the batch's largest k
             seq.output_top.append((rows.result.top_ids[step, row, :k].tolist(),
-                                   rows.result.top_logprobs[step, row, :k].tolist()) if k else ([], []))
+                                   rows.result.top_logprobs[step, row, :k].tolist()) if k else _NO_TOP)
         if self._check_stop(seq, token):
             self.scheduler.finish(seq)
             return True

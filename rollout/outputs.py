@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 from jaxtyping import Bool, Float, Int
@@ -11,13 +12,42 @@ from jaxtyping import Bool, Float, Int
 FinishReason = Literal["stop", "length", "abort"]
 
 
-@dataclasses.dataclass(frozen=True)
-class TokenLogprob:
-    """One generated (or prompt) position: the token's logprob and the top alternatives."""
+class TokenLogprob(NamedTuple):
+    """One generated (or prompt) position: the token's logprob and the top alternatives (a named tuple:
+    one is made per token, so it must be cheap)."""
 
     token_id: int
     logprob: float
     top: dict[int, float]  # token id -> logprob of the `logprobs` most likely tokens (mode as requested)
+
+
+class CompletionLogprobs(collections.abc.Sequence):
+    """A completion's per-token logprobs, kept as plain lists until read: indexing or iterating yields
+    `TokenLogprob`s (made then, not per generated token); `values` is the sampled tokens' logprobs."""
+
+    __slots__ = ("token_ids", "values", "top")
+
+    def __init__(self, token_ids: list[int], values: list[float], top: list[tuple[list[int], list[float]]] | None
+                 ) -> None:
+        self.token_ids = token_ids
+        self.values = values  # the sampled token's logprob, per token
+        self.top = top  # per token (alternative ids, their logprobs); None: no alternatives asked for
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def __getitem__(self, index: int | slice) -> "TokenLogprob | CompletionLogprobs":
+        if isinstance(index, slice):
+            return CompletionLogprobs(self.token_ids[index], self.values[index],
+                                      None if self.top is None else self.top[index])
+        top = {} if self.top is None else dict(zip(*self.top[index]))
+        return TokenLogprob(self.token_ids[index], self.values[index], top)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, collections.abc.Sequence) and list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return f"CompletionLogprobs({list(self)!r})"
 
 
 @dataclasses.dataclass
@@ -27,7 +57,7 @@ class CompletionOutput:
     index: int
     token_ids: list[int]
     text: str
-    logprobs: list[TokenLogprob] | None
+    logprobs: CompletionLogprobs | list[TokenLogprob] | None  # a sequence of TokenLogprob
     cumulative_logprob: float | None
     finish_reason: FinishReason | None
     stop_reason: int | str | None  # the stop token id or stop string that ended it, None for EOS/length/abort

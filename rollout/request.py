@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from rollout.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from rollout.outputs import CompletionLogprobs, CompletionOutput, RequestOutput, TokenLogprob
 from rollout.sampling_params import OutputKind, SamplingParams
 from rollout.sequence import Sequence
 from rollout.tokenizer import Tokenizer
@@ -54,8 +54,8 @@ def completion(seq: Sequence, tokenizer: Tokenizer, *, start: int = 0, text_star
         text = text[:max(text_start, len(text) - max(map(len, p.stop)) + 1)]
     logprobs = cumulative = None
     if p.logprobs is not None:
-        logprobs = [TokenLogprob(t, lp, dict(zip(ids, lps))) for t, lp, (ids, lps)
-                    in zip(out_ids[start:], seq.output_logprobs[start:], seq.output_top[start:])]
+        logprobs = CompletionLogprobs(out_ids[start:], seq.output_logprobs[start:],
+                                      seq.output_top[start:] if p.logprobs else None)
         cumulative = float(sum(seq.output_logprobs))
     versions = seq.output_versions[start:]
     return CompletionOutput(index=seq.sample_index, token_ids=out_ids[start:], text=text[text_start:],

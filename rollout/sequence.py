@@ -44,6 +44,7 @@ class Sequence:
         self.stop_text_at: int | None = None  # where the stop string that ended it starts in the output text
         self.num_preemptions = 0
         self.sampling_row: SamplingRow | None = None  # its sampling settings as a step packs them (built once)
+        self.ending_ids: tuple[int, ...] | None = None  # ids that stop it: EOS unless ignored, its stop ids (built once)
         self.tokens_per_draft_step: float | None = None  # speculative decoding: EMA of tokens emitted per verification
 
     def reset_for_resume(self) -> None:
@@ -52,7 +53,7 @@ class Sequence:
         self.finish_reason = self.stop_reason = self.stop_text_at = None
         self.num_computed_tokens = self.num_cached_tokens = 0
         self.block_table = []
-        self.sampling_row = None  # its params changed (max_tokens)
+        self.sampling_row = self.ending_ids = None  # its params changed
 
     @property
     def num_tokens(self) -> int:

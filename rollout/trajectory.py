@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from rollout.outputs import CompletionOutput
+from rollout.outputs import CompletionLogprobs, CompletionOutput
 
 
 @dataclasses.dataclass
@@ -41,7 +41,9 @@ class Trajectory:
         n = len(completion.token_ids)
         self.completion_ids += completion.token_ids
         self.sampled_mask += [True] * n
-        self.logprobs += [t.logprob for t in completion.logprobs] if completion.logprobs is not None else [0.0] * n
+        lps = completion.logprobs
+        self.logprobs += ([0.0] * n if lps is None else lps.values if isinstance(lps, CompletionLogprobs)
+                          else [t.logprob for t in lps])
         versions = list(completion.policy_versions)
         self.policy_versions += versions + [completion.policy_version] * (n - len(versions))
         self.finish_reason = completion.finish_reason

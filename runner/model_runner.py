@@ -267,8 +267,9 @@ class ModelRunner:
 
     def weights_updated(self) -> None:
         """After `sync_weights` wrote new arrays: recompute the packed weights now, inside the sync
-        (else the next step would pay for it)."""
+        (else the next step would pay for it); returns when the new arrays are ready."""
         self._refresh_packed(jax.tree.leaves(self.params))
+        jax.block_until_ready((self.params, self.rest))
 
     def _refresh_packed(self, params: list[Array]) -> None:
         """Recompute the backend's packed weights in `rest` if any parameter array was replaced since."""
