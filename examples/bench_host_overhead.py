@@ -5,11 +5,14 @@ sampled token's logprob, on either the tiny random Llama of tests/test_engine.py
 layers, hidden 32, so the device work is near zero and the host decides throughput) or the embedded
 SmolLM2-135M-Instruct (`--model smollm2`, R1's prompts of docs/benchmarks.md). Per run:
 tokens/s of the whole `generate` call (median of `--repeats` after one untimed call of the same shape),
-engine steps, host ms per step (wall time outside `ModelRunner.run`: scheduling, input building,
-output processing) and the fraction of the wall time the device is idle for that reason (a lower
-bound: the device also idles while `run` pads inputs), programs compiled by the engine, peak RSS. No
+device calls, host ms per call (wall time during which no device call was in flight, i.e. between a
+call's results arriving and the next launch: scheduling, input building, output processing) and that
+time as a fraction of the wall time (the device-idle fraction; a lower bound: the device also idles
+while `launch` pads inputs), programs compiled by the engine, peak RSS. With async scheduling a decode
+call is launched before its predecessor's tokens are processed, so their host work hides. No
 roofline fraction: with the tiny model the host, not memory bandwidth, is the limit.
 
+`--compare sync` runs this tree a second time with `EngineConfig(async_scheduling=False)`;
 `--compare REF` also runs the code of git revision REF (a temporary `git worktree`) on the same
 workload, rounds alternated (REF, this tree, REF, ...), each side in its own process, and prints this
 tree's tokens/s over REF's. Ends with one JSON line.
@@ -41,6 +44,8 @@ def worker(args: argparse.Namespace) -> None:
     from rollout.engine import Engine
     from rollout.sampling_params import SamplingParams
 
+    extra = {"async_scheduling": False} if args.sync_scheduling else {}
+
     if args.model == "tiny":
         from test_engine import ByteTokenizer, make_model
 
@@ -48,7 +53,7 @@ def worker(args: argparse.Namespace) -> None:
         rng = np.random.default_rng(0)
         prompts_all = [[int(t) for t in rng.integers(2, 128, 16)] for _ in range(max(args.batch_sizes))]
         make = lambda b: Engine.from_model(model, tok, max_num_seqs=b, max_model_len=args.tokens + 32,  # noqa: E731
-                                           max_num_batched_tokens=max(512, 16 * b), block_size=16)
+                                           max_num_batched_tokens=max(512, 16 * b), block_size=16, **extra)
     else:
         from rollout.tokenizer import load_tokenizer
 
@@ -56,23 +61,38 @@ def worker(args: argparse.Namespace) -> None:
         prompts_all = [tok.encode(f"Question {i}: Write a short paragraph about the number {i} and why it is "
                                   f"interesting. Answer:") for i in range(max(args.batch_sizes))]
         base = Engine.from_pretrained(None, max_num_seqs=max(args.batch_sizes), max_model_len=args.tokens + 64,
-                                      max_num_batched_tokens=512)
+                                      max_num_batched_tokens=512, **extra)
         make = lambda b: base  # noqa: E731
     results = []
     for b in args.batch_sizes:
         engine = make(b)
         runner = engine.runner
-        inner = runner.run
-        in_run = [0.0, 0]
+        calls: list[list[float]] = []  # per device call: [launched, collected]
+        if hasattr(runner, "launch"):  # launch / collect (run is collect(launch(...)))
+            inner = (runner.launch, runner.collect)
 
-        def timed_run(batch: object, inner: object = inner, acc: list = in_run) -> object:
-            start = time.perf_counter()
-            out = inner(batch)
-            acc[0] += time.perf_counter() - start
-            acc[1] += 1
-            return out
+            def timed_launch(batch: object, inner: tuple = inner, calls: list = calls) -> object:
+                pending = inner[0](batch)
+                calls.append([time.perf_counter(), 0.0])
+                return pending
 
-        runner.run = timed_run
+            def timed_collect(pending: object, inner: tuple = inner, calls: list = calls) -> object:
+                out = inner[1](pending)
+                open_calls = [c for c in calls if c[1] == 0.0]
+                open_calls[0][1] = time.perf_counter()  # calls are collected in launch order
+                return out
+
+            runner.launch, runner.collect = timed_launch, timed_collect
+        else:  # an older revision: one blocking run per step
+            inner = (runner.run,)
+
+            def timed_run(batch: object, inner: tuple = inner, calls: list = calls) -> object:
+                start = time.perf_counter()
+                out = inner[0](batch)
+                calls.append([start, time.perf_counter()])
+                return out
+
+            runner.run = timed_run
         prompts = prompts_all[:b]
         modes = {"greedy": SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True),
                  "sample+logprob": SamplingParams(temperature=1.0, seed=0, max_tokens=args.tokens, ignore_eos=True,
@@ -82,27 +102,40 @@ def worker(args: argparse.Namespace) -> None:
             walls, hosts, steps = [], [], []
             for _ in range(args.repeats):
                 engine.reset_prefix_cache()
-                in_run[:] = [0.0, 0]
+                calls.clear()
                 start = time.perf_counter()
                 outs = engine.generate(prompts, sp)
                 wall = time.perf_counter() - start
                 assert all(len(o.outputs[0].token_ids) == args.tokens for o in outs)
                 walls.append(wall)
-                hosts.append(wall - in_run[0])
-                steps.append(in_run[1])
+                hosts.append(wall - _union(calls))
+                steps.append(len(calls))
             i = walls.index(statistics.median(walls))
             results.append(dict(batch=b, mode=mode, tok_s=b * args.tokens / walls[i], steps=steps[i],
                                 host_ms_per_step=1e3 * hosts[i] / max(steps[i], 1), idle_fraction=hosts[i] / walls[i],
                                 compiled_programs=engine.stats().num_compilations,
                                 peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
-        runner.run = inner
+        if len(inner) == 2:
+            runner.launch, runner.collect = inner
+        else:
+            runner.run = inner[0]
     print(json.dumps(results))
 
 
-def run_side(code_root: str, args: argparse.Namespace) -> list[dict]:
+def _union(intervals: list[list[float]]) -> float:
+    """Seconds covered by the [launched, collected] intervals of the device calls (device busy, an upper bound)."""
+    total, end = 0.0, -1.0
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def run_side(code_root: str, args: argparse.Namespace, *, sync_scheduling: bool = False) -> list[dict]:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--code-root", code_root, "--model", args.model,
            "--batch-sizes", ",".join(map(str, args.batch_sizes)), "--tokens", str(args.tokens),
-           "--repeats", str(args.repeats)]
+           "--repeats", str(args.repeats)] + (["--sync-scheduling"] if sync_scheduling else [])
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -114,8 +147,10 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--rounds", type=int, default=1, help="alternated rounds per side with --compare")
-    p.add_argument("--compare", metavar="REF", default=None, help="a git revision to measure against")
+    p.add_argument("--compare", metavar="REF", default=None,
+                   help="a git revision to measure against, or 'sync': this tree with async scheduling off")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--sync-scheduling", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--code-root", default=ROOT, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
@@ -125,15 +160,17 @@ def main() -> None:
     sides: dict[str, list[list[dict]]] = {"this": []}
     with tempfile.TemporaryDirectory() as tmp:
         ref_root = None
-        if args.compare:
+        if args.compare == "sync":  # this tree with async scheduling off
+            sides["ref"] = []
+        elif args.compare:
             ref_root = os.path.join(tmp, "ref")
             subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", ref_root, args.compare], check=True,
                            capture_output=True)
             sides["ref"] = []
         try:
             for _ in range(args.rounds):
-                if ref_root:
-                    sides["ref"].append(run_side(ref_root, args))
+                if ref_root or args.compare == "sync":
+                    sides["ref"].append(run_side(ref_root or ROOT, args, sync_scheduling=not ref_root))
                 sides["this"].append(run_side(ROOT, args))
         finally:
             if ref_root:

@@ -20,6 +20,7 @@ from rollout.tokenizer import Tokenizer, load_tokenizer
 from rollout.trajectory import Trajectory
 from runner.backends import select_backend
 from runner.buckets import BucketConfig
+from runner.compilation_cache import default_cache_dir, enable_compilation_cache
 from runner.compile_counter import num_compilations
 from runner.kv_cache import KVCacheSpec
 from runner.model_runner import ModelRunner
@@ -39,6 +40,7 @@ class Engine(EngineCore):
 
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig,
                  mesh: Mesh | tuple[int, int] | None = None) -> None:
+        _use_compilation_cache(config)
         device_mesh = make_mesh(mesh)
         model = with_head_layout(model, device_mesh.shape["model"])  # whole heads on every device
         cfg = model.config
@@ -82,6 +84,7 @@ class Engine(EngineCore):
         `mesh`: None (one device), a `(data, model)` size pair, or a Mesh with those axes.
         """
         engine_config = EngineConfig(**config)  # validate before the (slow) load
+        _use_compilation_cache(engine_config)
         device_mesh = make_mesh(mesh)
         model, _ = load_model(path, dtype=dtype, mesh=device_mesh)  # straight into the sharded layout
         return cls(model, load_tokenizer(path), engine_config, device_mesh)
@@ -147,15 +150,17 @@ class Engine(EngineCore):
         """The model bound to the engine's current parameters (for a reference forward pass)."""
         return self.runner.model
 
-    def warmup(self, *, prompt_logprobs: bool = False) -> int:
+    def warmup(self, *, prompt_logprobs: bool = False, use_tqdm: bool = False) -> int:
         """Compile every step bucket now (not during the first calls); returns the number of programs.
+        With the persistent compilation cache (`EngineConfig.compilation_cache_dir`) a second process
+        loads them instead.
 
         Requests with `prompt_logprobs` use their own prefill programs: pass `prompt_logprobs=True`
         to compile those too.
         """
         spec = self.config.speculative
         return self.runner.warmup(prompt_logprobs=prompt_logprobs, speculative_k=spec.k if spec else 0,
-                                  rejection=self._rejection)
+                                  rejection=self._rejection, use_tqdm=use_tqdm)
 
     def stats(self) -> EngineStats:
         """Counters since the engine was built (a copy)."""
@@ -168,3 +173,8 @@ class Engine(EngineCore):
             backend=backend.name, cpu_row_kernel=backend.matmul, cpu_amx=backend.amx, attention_impl=backend.attention,
             speculative=dataclasses.replace(self.speculator.stats) if self.speculator is not None else None)
 
+
+def _use_compilation_cache(config: EngineConfig) -> None:
+    if config.compilation_cache_dir is not None:
+        enable_compilation_cache(default_cache_dir() if config.compilation_cache_dir == "auto"
+                                 else config.compilation_cache_dir)

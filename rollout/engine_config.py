@@ -55,6 +55,13 @@ class EngineConfig:
     # None: DEFAULT_SCHEDULER_STEPS. With drafting, decode steps that do not draft (auto-disable, no
     # n-gram match) run as multi-step calls; an EAGLE-3 head's cache is filled after each of their steps.
     num_scheduler_steps: int | None = None
+    # JAX's persistent compilation cache (process-wide): "auto" = `runner.compilation_cache.default_cache_dir()`
+    # (~/.cache/jax-rollout/xla), a folder, or None (off). A folder the process configured itself wins.
+    compilation_cache_dir: str | None = "auto"
+    # Async scheduling (vLLM's name): a multi-step decode call launches the next one before its tokens reach
+    # the host (the device feeds them), so the device computes while the host applies the previous
+    # call's tokens. Tokens are those of the synchronous order; work a stopped sequence's next call did is dropped.
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "block_size"):
@@ -72,7 +79,7 @@ class EngineConfig:
             raise ValueError(f"speculative k must be <= 7 (a verification row holds 8 tokens), got {self.speculative.k}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        for name in ("cpu_row_kernel", "cpu_amx"):
+        for name in ("cpu_row_kernel", "cpu_amx", "async_scheduling", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.cpu_amx_from_rows, int) or self.cpu_amx_from_rows < 1:
@@ -87,6 +94,9 @@ class EngineConfig:
             raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if self.compilation_cache_dir is not None and (not isinstance(self.compilation_cache_dir, str)
+                                                       or not self.compilation_cache_dir):
+            raise ValueError(f"compilation_cache_dir must be 'auto', a folder or None, got {self.compilation_cache_dir!r}")
 
 
 @dataclasses.dataclass
@@ -105,6 +115,7 @@ class EngineStats:
     prefix_cache_queried_tokens: int = 0
     num_compilations: int = 0
     num_weight_syncs: int = 0
+    num_ahead_calls: int = 0  # decode calls launched before the previous call's tokens reached the host
     generate_seconds: float = 0.0
     speculative: SpecStats | None = None  # drafting counters when speculation is configured
     backend: str = ""  # the kernel backend chosen (runner/backends/)

@@ -27,10 +27,10 @@ from rollout.request_validation import Prompt, RequestLimits, prompt_token_ids
 from rollout.sampling_params import SamplingParams
 from rollout.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from rollout.sequence import Sequence
-from rollout.speculator import Speculator
-from rollout.step_builder import build_step
+from rollout.speculator import Speculator, device_draft_slots
+from rollout.step_builder import build_ahead_step, build_step
 from rollout.tokenizer import Tokenizer
-from runner.model_runner import MAX_SUPPRESS, ModelRunner
+from runner.model_runner import MAX_SUPPRESS, ModelRunner, PendingStep
 from runner.spec_decode.eagle3_config import Eagle3Config
 
 NUM_RESUMABLE = 4096  # ended requests kept (newest first) so that `resume` can continue them
@@ -51,7 +51,7 @@ class EngineCore:
                                           enable_prefix_caching=config.enable_prefix_caching)
         self.speculator = None if spec is None else Speculator(
             spec, config.max_model_len, config.max_num_batched_tokens,
-            draft_fn=_device_draft_slots if runner.drafter is not None else None)
+            draft_fn=device_draft_slots if runner.drafter is not None else None)
         self._rejection = spec is not None and spec.verification == "rejection"
         verify_steps = spec.num_verify_steps if isinstance(spec, Eagle3Config) else 1
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
@@ -67,6 +67,7 @@ class EngineCore:
         self.requests: dict[str, Request] = {}  # unfinished requests, and finished ones not yet reported
         self._ended: OrderedDict[str, Request] = OrderedDict()  # the last NUM_RESUMABLE ended requests
         self._deferred: list[RequestOutput] = []  # outputs a blocking client stepped past (see `generate`)
+        self._ahead: tuple[ScheduledBatch, PendingStep] | None = None  # a decode call launched ahead (async scheduling)
         self._in_step = False  # a step is running: weights may not change under it
         self._auto_ids = itertools.count()
         self._seq_ids = itertools.count()
@@ -180,17 +181,22 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         """True while some request is queued or running, or has outputs `step()` has not returned yet."""
-        return self.scheduler.has_unfinished() or bool(self._deferred)
+        return self.scheduler.has_unfinished() or bool(self._deferred) or self._ahead is not None
 
     # ---- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One engine step: schedule -> run -> postprocess. Returns an output for each request that
         changed (as its `output_kind` says); a request's last output has `finished=True`, after which
-        the request is forgotten. A step that raises aborts the requests it had scheduled."""
-        batch = self._execute()
-        touched = dict.fromkeys(s.request_id for s in batch.seqs)
+        the request is forgotten. A step that raises aborts the requests it had scheduled.
+
+        With `EngineConfig.async_scheduling`, a multi-step decode call launches the next one before its
+        own tokens reach the host (the device feeds them), so the device runs while the host applies them."""
+        return self._report(self._execute(overlap=self.config.async_scheduling))
+
+    def _report(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """Outputs of the requests `batch` touched (and any deferred ones); finished requests are forgotten."""
         results, self._deferred = self._deferred, []
-        for rid in touched:
+        for rid in dict.fromkeys(s.request_id for s in batch.seqs):
             req = self.requests.get(rid)
             if req is None:
                 continue
@@ -201,16 +207,24 @@ class EngineCore:
                 self._forget(req)
         return results
 
-    def _execute(self) -> ScheduledBatch:
-        batch = self.scheduler.schedule()
+    def _drain(self) -> None:
+        """Finish the call launched ahead, if any (before weights change); its outputs wait for `step()`."""
+        if self._ahead is not None:
+            self._deferred = self._report(self._execute(overlap=False))
+
+    def _execute(self, overlap: bool) -> ScheduledBatch:
+        ahead, self._ahead = self._ahead, None
+        batch, pending = ahead if ahead is not None else (self.scheduler.schedule(), None)
         if not batch.seqs:  # nothing to run (no requests): no device call
             return batch
         self._in_step = True
         try:
             start = time.perf_counter()
-            self._run(batch)
+            self._run(batch, pending, overlap)
         except BaseException:
-            self._deferred += self.abort(dict.fromkeys(s.request_id for s in batch.seqs))
+            seqs = batch.seqs + (self._ahead[0].seqs if self._ahead is not None else [])
+            self._ahead = None
+            self._deferred += self.abort(dict.fromkeys(s.request_id for s in seqs))
             # the step's blocks were published for prefix sharing when scheduled, maybe never computed
             self.block_manager.invalidate_prefix_cache()
             raise
@@ -219,15 +233,24 @@ class EngineCore:
         self.stats_.generate_seconds += time.perf_counter() - start
         return batch
 
-    def _run(self, batch: ScheduledBatch) -> None:
+    def _run(self, batch: ScheduledBatch, pending: PendingStep | None, overlap: bool) -> None:
         drafts = None
         start = time.perf_counter()  # a speculative step's time includes drafting (n-gram lookup, EAGLE head)
         before = sum(s.num_output_tokens for s in batch.seqs)
-        if self.speculator is not None:
+        if self.speculator is not None and pending is None:  # (no call is launched ahead with a speculator)
             batch, drafts = self.speculator.propose(batch)
-        result = self.runner.run(build_step(batch, self.eos_token_ids, drafts, rejection=self._rejection,
-                                            multi_step=self.config.num_scheduler_steps > 1,
-                                            device_drafts=self.runner.drafter is not None))
+        if pending is None:
+            pending = self.runner.launch(build_step(batch, self.eos_token_ids, drafts, rejection=self._rejection,
+                                                    multi_step=self.config.num_scheduler_steps > 1,
+                                                    device_drafts=self.runner.drafter is not None))
+        if overlap and pending.last_tokens is not None and drafts is None:
+            planned = self.scheduler.schedule_ahead(batch)
+            if planned is not None:
+                nxt, kept = planned
+                self._ahead = (nxt, self.runner.launch(build_ahead_step(
+                    nxt, [batch.num_new_tokens[i] for i in kept], pending.rows[kept], self.eos_token_ids), after=pending))
+                self.stats_.num_ahead_calls += 1
+        result = self.runner.collect(pending)
         records, steps_run = self.outputs.apply(batch, result, drafts)
         steps = float(np.mean(batch.num_new_tokens)) if drafts is None or result.steps == 1 else float(steps_run)
         if drafts is not None and result.verified:
@@ -268,6 +291,7 @@ class EngineCore:
                                "one, say); call it between steps")
         plans = self.weights.check(params, mapping, check_finite=check_finite, draft_params=draft_params,
                                    draft_mapping=draft_mapping)
+        self._drain()  # tokens of a call launched ahead were sampled under the old weights
         try:
             self.weights.write(plans, params, draft_params, check_finite=check_finite)
             self.runner.weights_updated()
@@ -279,8 +303,3 @@ class EngineCore:
         self.policy_version = version if version is not None else (self.policy_version or 0) + 1
         self.stats_.num_weight_syncs += 1
 
-
-def _device_draft_slots(seqs: list[Sequence], limits: list[int]) -> list[np.ndarray]:
-    """Placeholders for EAGLE-3 drafts (-1, as many as each sequence may take): the head makes them
-    on the device in the verification step's own program (`StepBatch.draft_slots`)."""
-    return [np.full(max(lim, 0), -1, np.int32) for lim in limits]

@@ -57,6 +57,8 @@ class OutputProcessor:
         live = []
         offset = 0  # prefill: the sequence's first token in the step
         for s, seq in enumerate(seqs):
+            if seq.is_finished:  # a call launched ahead: it stopped (or was aborted) in the call before
+                continue
             if batch.is_prefill:
                 if result.token_logprobs is not None and seq.wants_prompt_logprobs:
                     self._record_prompt_logprobs(seq, result, offset, counts[s])

@@ -160,6 +160,31 @@ class Scheduler:
         kept = [i for i, s in enumerate(scheduled) if s.status == SequenceStatus.RUNNING]
         return ScheduledBatch(False, [scheduled[i] for i in kept], [steps[i] for i in kept])
 
+    def schedule_ahead(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, list[int]] | None:
+        """The multi-step decode call after `batch`, planned while `batch` runs on the device (its tokens
+        not yet on the host): each sequence is assumed to take all its steps in `batch` (one that
+        reaches its limit there is left out) and its next input token comes from the device. Returns
+        the call and each of its sequences' index in `batch`; None when it cannot be planned: `batch`
+        is not a decode of every running sequence, requests wait, every sequence ends in `batch`, or
+        the blocks do not fit without preempting (the caller then finishes `batch` first)."""
+        cfg = self.config
+        if batch.is_prefill or self.waiting or len(batch.seqs) != len(self.running) or cfg.decode_steps > 1:
+            return None
+        kept, steps = [], []
+        need = collections.Counter()
+        for i, (seq, done) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            left = seq.max_new_tokens(cfg.max_model_len) - done
+            if left > 0:
+                kept.append(i)
+                steps.append(min(cfg.num_scheduler_steps, left))
+                need[seq.replica] += (self.block_manager.blocks_needed(seq.num_tokens + done + steps[-1] - 1)
+                                      - len(seq.block_table))
+        if not kept or any(n > self.block_manager.num_free(r) for r, n in need.items()):
+            return None
+        for i, n in zip(kept, steps):
+            self.block_manager.append(batch.seqs[i], batch.num_new_tokens[i] + n - 1)
+        return ScheduledBatch(False, [batch.seqs[i] for i in kept], steps), kept
+
     def preempt(self, seq: Sequence, *, count: bool = True) -> None:
         """Free a running sequence's blocks and put it back at the head of the queue (its tokens so far
         are recomputed when it is admitted again). `count`: a preemption for lack of memory (counted)."""

@@ -250,3 +250,9 @@ class Speculator:
 def _ema_into(averages: dict[K, float], key: K, value: float) -> None:
     old = averages.get(key)
     averages[key] = value if old is None else (1 - EMA) * old + EMA * value
+
+
+def device_draft_slots(seqs: list[Sequence], limits: list[int]) -> list[np.ndarray]:
+    """Placeholders for EAGLE-3 drafts (-1, as many as each sequence may take): the head makes them
+    on the device in the verification step's own program (`StepBatch.draft_slots`)."""
+    return [np.full(max(lim, 0), -1, np.int32) for lim in limits]

@@ -96,6 +96,19 @@ def build_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...],
         kind="prefill" if batch.is_prefill else "decode", target_ids=target_ids, replicas=np.array([s.replica for s in seqs], np.int32))
 
 
+def build_ahead_step(batch: ScheduledBatch, done: list[int], prev_rows: np.ndarray,
+                     eos_token_ids: tuple[int, ...]) -> StepBatch:
+    """The multi-step decode call after one still on the device (async scheduling): sequence i is
+    `done[i]` tokens further than the host knows, and its input token is its last token of the previous
+    call (`feed_rows`: its row there), fed on the device."""
+    step = build_step(batch, eos_token_ids, multi_step=True)
+    offsets = np.asarray(done, np.int32)
+    return dataclasses.replace(step, token_ids=np.zeros_like(step.token_ids), positions=step.positions + offsets,
+                               kv_lens=step.kv_lens + offsets,
+                               suppress_steps=np.maximum(step.suppress_steps - offsets, 0),
+                               feed_rows=np.asarray(prev_rows, np.int32))
+
+
 def build_verify_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...], drafts: list[np.ndarray],
                       *, rejection: bool = False, device_drafts: bool = False) -> StepBatch:
     """A decode step that also feeds each sequence's draft tokens and samples after every position.

@@ -25,7 +25,8 @@ _counter: _Counter | None = None
 
 
 def num_compilations() -> int:
-    """Backend compilations so far in this process (counting starts at the first call)."""
+    """Backend compilations so far in this process, loads from the persistent compilation cache included
+    (JAX records both as one event); counting starts at the first call."""
     global _counter
     if _counter is None:
         _counter = _Counter()

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from tqdm import tqdm
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int
 
@@ -63,6 +64,8 @@ class PendingStep:
 
     outputs: tuple[SamplerOutput | Array | None, ...]
     finish: Callable[[tuple[SamplerOutput | np.ndarray | None, ...]], StepResult]
+    rows: np.ndarray | None = None  # multi-step decode: each sequence's flat row in the outputs (`StepBatch.feed_rows`)
+    last_tokens: Array | None = None  # multi-step decode: each flat row's last sampled token, on the device
 
 
 def _sampled_rows(out: SamplerOutput, rows: np.ndarray, num_top: int) -> StepResult:
@@ -117,6 +120,9 @@ class ModelRunner:
         self.kv_spec = kv_spec
         self.kv_caches = allocate_kv_caches(kv_shape, kv_spec.dtype, kv_spec.num_layers, kv_sharding)
         self._scalar_sharding = NamedSharding(self.mesh, PartitionSpec())
+        # what a multi-step decode call reads its fed tokens from when none are fed (fixed size: every bucket fits)
+        self._no_feed = jax.device_put(jnp.zeros(kv_spec.num_replicas * max(buckets.seq_buckets), jnp.int32),
+                                       self._scalar_sharding)
         self._input_sharding = (self._scalar_sharding if kv_spec.num_replicas == 1
                                 else NamedSharding(self.mesh, PartitionSpec("data")))
         self.buckets = buckets
@@ -144,10 +150,11 @@ class ModelRunner:
         """Wait for a launched step; only its sampled ids and requested logprobs come to the host."""
         return pending.finish(jax.device_get(pending.outputs))
 
-    def launch(self, batch: StepBatch) -> PendingStep:
+    def launch(self, batch: StepBatch, after: PendingStep | None = None) -> PendingStep:
         """Pad (per replica) and dispatch one compiled step without waiting for it; the KV caches are
         donated and replaced by the step's outputs at once, so the next step may be launched before
-        this one is collected."""
+        this one is collected. `after`: the multi-step decode call whose last tokens `batch.feed_rows`
+        point at (not yet collected)."""
         spec = self.kv_spec
         padded, layout = pad_replicas(batch, self.buckets, spec.block_size, spec.num_replicas, spec.blocks_per_replica,
                                       on_mesh=self.mesh.size > 1)
@@ -165,7 +172,10 @@ class ModelRunner:
             launch = self._launch_draft_verify_steps if multi_step else self._launch_draft_verify
             return launch(batch, leaves, device_batch, layout.row_index, layout.seq_index, num_top)
         if batch.kind == "decode" and multi_step:
-            return self._launch_chunk(batch, leaves, device_batch, layout.row_index, num_top)
+            if (batch.feed_rows is None) != (after is None or after.last_tokens is None):
+                raise ValueError("feed_rows need the multi-step decode call they read from (`after`), and only then")
+            fed = after.last_tokens if after is not None else self._no_feed
+            return self._launch_chunk(batch, leaves, device_batch, layout.row_index, num_top, fed)
         if multi_step or batch.draft_slots is not None:
             raise ValueError(f"a {batch.kind} step takes neither num_steps nor draft_slots")
         # one step of the plain program: prefill, decode, or verification of drafts made on the host
@@ -189,7 +199,7 @@ class ModelRunner:
         return PendingStep((out, extra), finish)
 
     def _launch_chunk(self, batch: StepBatch, leaves: tuple[list[Array], list[Array]], device_batch: DeviceBatch,
-                      rows: np.ndarray, num_top: int) -> PendingStep:
+                      rows: np.ndarray, num_top: int, fed: Array) -> PendingStep:
         """A multi-step decode call: `num_scheduler_steps` steps of one row per sequence."""
         if not batch.is_decode:
             raise ValueError("multi-step decode takes plain decode batches")
@@ -197,15 +207,18 @@ class ModelRunner:
         if int(np.max(batch.num_steps, initial=1)) > steps:
             raise ValueError(f"a sequence asks for {int(np.max(batch.num_steps))} steps; this runner runs at most {steps}")
         if self.drafter is not None:  # the head's cache follows every step
+            if batch.feed_rows is not None:
+                raise ValueError("a decode call with a draft head cannot take its tokens from the previous call")
             self.kv_caches, out = self.drafter.decode_chunk(leaves, self.kv_caches, device_batch, num_top=num_top,
                                                             max_steps=steps)
+            last = None
         else:
-            self.kv_caches, out = self._chunk_fn(*leaves, self.kv_caches, device_batch, num_top=num_top,
-                                                 max_steps=steps)
+            self.kv_caches, out, last = self._chunk_fn(*leaves, self.kv_caches, device_batch, fed, num_top=num_top,
+                                                       max_steps=steps)
         k = batch.num_top_logprobs
         return PendingStep((out,), lambda host: StepResult(
             host[0].token_ids[:, rows], host[0].logprobs[:, rows], host[0].top_ids[:, rows, :k],
-            host[0].top_logprobs[:, rows, :k]))
+            host[0].top_logprobs[:, rows, :k]), rows=rows, last_tokens=last)
 
     def _launch_draft_verify(self, batch: StepBatch, leaves: tuple[list[Array], list[Array]],
                              device_batch: DeviceBatch, rows: np.ndarray, seqs: np.ndarray, num_top: int
@@ -278,7 +291,8 @@ class ModelRunner:
             self.rest = self._repack(self.params, self.rest)
             self._packed_from = ids
 
-    def warmup(self, *, prompt_logprobs: bool = False, speculative_k: int = 0, rejection: bool = False) -> int:
+    def warmup(self, *, prompt_logprobs: bool = False, speculative_k: int = 0, rejection: bool = False,
+               use_tqdm: bool = False) -> int:
         """Compile every bucket by running dummy steps whose K/V writes are all dropped; returns the count.
 
         `prompt_logprobs=True` also compiles the prefill programs that return per-token logprobs;
@@ -289,8 +303,9 @@ class ModelRunner:
         if self._repack is not None:  # the repacking program a weight sync runs
             self.rest = self._repack(self.params, self.rest)
             count += 1
-        for step in self.dummy_steps.every_bucket(prompt_logprobs=prompt_logprobs, speculative_k=speculative_k,
-                                                  rejection=rejection):
+        steps = list(self.dummy_steps.every_bucket(prompt_logprobs=prompt_logprobs, speculative_k=speculative_k,
+                                                   rejection=rejection))
+        for step in tqdm(steps, desc="warmup: step programs", disable=not use_tqdm):
             self.run(step)
             count += 1
         return count

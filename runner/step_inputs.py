@@ -83,6 +83,9 @@ class StepBatch:
     num_steps: np.ndarray | None = None  # [S] decode steps of each sequence in this call (>= 1)
     suppress_steps: np.ndarray | None = None  # [S] of those, how many keep `suppress_ids` forbidden (min_tokens)
     stop_ids: np.ndarray | None = None  # [S, MAX_SUPPRESS] ids that end the sequence (EOS, stop ids), -1 = none
+    # [S] multi-step decode launched before the previous call's tokens reached the host: the flat output
+    # row of each sequence in the previous call, whose last token is its input (-1: `token_ids` as given)
+    feed_rows: np.ndarray | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -102,6 +105,7 @@ class DecodeChunk:
     num_steps: Int[Array, "R N"]  # decode steps of each row; step t writes K/V only while t < num_steps
     suppress_steps: Int[Array, "R N"]  # steps during which the row's `suppress_ids` apply
     stop_ids: Int[Array, "R N M"]  # sampling one of these (-1 = none) ends the row's steps early
+    feed_rows: Int[Array, "R N"]  # row of the previous call's last tokens that is this row's input (-1: none)
 
 
 @jax.tree_util.register_dataclass
@@ -165,6 +169,7 @@ def split_replicas(b: StepBatch, num_replicas: int, blocks_per_replica: int
             num_steps=None if b.num_steps is None else row(b.num_steps),
             suppress_steps=None if b.suppress_steps is None else row(b.suppress_steps),
             stop_ids=None if b.stop_ids is None else row(b.stop_ids),
+            feed_rows=None if b.feed_rows is None else row(b.feed_rows),
             logits_indices=None if b.logits_indices is None else local_token[b.logits_indices[rows]].astype(np.int32),
             replicas=None)
         parts.append((part, rows, np.flatnonzero(tok_mask)))
@@ -295,6 +300,7 @@ def _pad_one(b: StepBatch, s: _Shape) -> DeviceBatch:
         logits_indices=pad(logits_indices, rows), sampling=sampling, mode=np.int32(0),
         target_ids=pad(b.target_ids if b.target_ids is not None else np.zeros(0, np.int32), s.padded_tokens),
         prev_slot_mapping=prev_slot_mapping,
-        chunk=None if b.num_steps is None else DecodeChunk(pad(b.num_steps, rows), pad(b.suppress_steps, rows),
-                                                             pad(b.stop_ids, rows, -1)),
+        chunk=None if b.num_steps is None else DecodeChunk(
+            pad(b.num_steps, rows), pad(b.suppress_steps, rows), pad(b.stop_ids, rows, -1),
+            pad(b.feed_rows if b.feed_rows is not None else np.zeros(0, np.int32), rows, -1)),
         draft_slots=None if b.draft_slots is None else pad(b.draft_slots, s.padded_tokens, -1))

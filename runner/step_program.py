@@ -142,13 +142,22 @@ def decode_loop(model: CausalLM, kv_caches: KVCaches, batch: DeviceBatch, state:
 
 def _decode_chunk(graphdef: nnx.GraphDef, params_def: jax.tree_util.PyTreeDef, rest_def: jax.tree_util.PyTreeDef,
                   kv_sharding: NamedSharding | None, param_leaves: list[Array], rest_leaves: list[Array],
-                  kv_caches: KVCaches, batch: DeviceBatch, *, num_top: int, max_steps: int
-                  ) -> tuple[KVCaches, SamplerOutput]:
-    """Multi-step decode (`decode_loop`) of the model given as leaves."""
+                  kv_caches: KVCaches, batch: DeviceBatch, prev_last: Int[Array, "M"], *, num_top: int,
+                  max_steps: int) -> tuple[KVCaches, SamplerOutput, Int[Array, "M"]]:
+    """Multi-step decode (`decode_loop`) of the model given as leaves.
+
+    Rows with `chunk.feed_rows >= 0` take their input token from `prev_last` (the previous call's last
+    tokens, still on the device: a call launched before its predecessor's tokens reached the host).
+    Returns the caches, every step's sampled rows, and each row's token of its last step, padded to M."""
     model = _merge(graphdef, params_def, rest_def, param_leaves, rest_leaves)
+    chunk = batch.chunk
+    fed = jnp.where(chunk.feed_rows >= 0, prev_last[jnp.maximum(chunk.feed_rows, 0)], batch.token_ids)
+    batch = dataclasses.replace(batch, token_ids=fed.astype(batch.token_ids.dtype))
     kv_caches, outs, _ = decode_loop(model, kv_caches, batch, (), num_top=num_top, max_steps=max_steps,
                                      kv_sharding=kv_sharding)
-    return kv_caches, outs
+    last_step = jnp.maximum(chunk.num_steps - 1, 0).reshape(-1)
+    last = outs.token_ids[last_step, jnp.arange(last_step.shape[0])]
+    return kv_caches, outs, jnp.zeros_like(prev_last).at[:last.shape[0]].set(last)
 
 
 @functools.lru_cache(maxsize=None)

@@ -27,7 +27,7 @@ from runner.spec_decode.eagle3 import Eagle3Head
 from runner.spec_decode.eagle3_checkpoint import init_eagle3_head, load_eagle3_head, save_eagle3_head
 from runner.spec_decode.eagle3_train import eagle3_loss, pack_sequences, target_features, target_to_draft
 from weight_sync import WeightSyncError
-from test_engine import CFG, ENGINE_KW, MAX_LEN, ByteTokenizer, make_model, rand_prompt
+from test_engine import CFG, ENGINE_KW, MAX_LEN, ByteTokenizer, make_model, observe_steps, rand_prompt
 from test_spec_decode import CASES, assert_same, assert_same_distributions, assert_target_logprobs
 
 K = 3
@@ -182,14 +182,13 @@ def record_drafts(engine: Engine) -> list[tuple[list[int], list[int]]]:
     """Wrap the engine's verification steps: every (sequence history, its K drafts made on the device) pair."""
     log: list[tuple[list[int], list[int]]] = []
     histories: list[list[int]] = []
-    inner_drafts, inner_run = engine.speculator.draft_fn, engine.runner.run
+    inner_drafts = engine.speculator.draft_fn
 
     def drafting(seqs, limits):
         histories[:] = [list(s.token_ids) for s in seqs]
         return inner_drafts(seqs, limits)
 
-    def run(batch):
-        result = inner_run(batch)
+    def run(batch, result):
         if result.draft_ids is not None and result.verified and result.steps == 1:  # an unsure step's drafts are -1
             assert result.draft_ids.shape == (1, len(histories), K)
             log.extend((h, d.tolist()) for h, d in zip(histories, result.draft_ids[0]))
@@ -206,7 +205,8 @@ def record_drafts(engine: Engine) -> list[tuple[list[int], list[int]]]:
                     histories[s] += rows[:accepted + 1]
         return result
 
-    engine.speculator.draft_fn, engine.runner.run = drafting, run
+    engine.speculator.draft_fn = drafting
+    observe_steps(engine.runner, run)
     return log
 
 
@@ -312,14 +312,12 @@ def test_plain_multi_step_calls_fill_the_head_cache(model, plain: Engine, traine
     engine.speculator._worth_it = lambda seqs: next(decisions) % 3 == 0  # draft one decision in three
     log = record_drafts(engine)
     plain_calls: list[int] = []
-    inner_run = engine.runner.run
-
-    def run(batch):
+    def run(batch, result):
         if batch.num_steps is not None and batch.draft_slots is None:
             plain_calls.append(int(np.max(batch.num_steps)))
-        return inner_run(batch)
+        return result
 
-    engine.runner.run = run
+    observe_steps(engine.runner, run)
     prompts = prompts_for(9, 6)
     params = [SamplingParams(seed=i, max_tokens=40, ignore_eos=True, temperature=1.0 if i % 2 else 0.0, logprobs=1)
               for i in range(6)]

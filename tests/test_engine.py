@@ -133,6 +133,21 @@ def processed_logprobs(logits: np.ndarray, temperature: float, top_k: int, top_p
     return out
 
 
+def observe_steps(runner: object, fn: object) -> object:
+    """Wrap `runner.launch` so that `fn(batch, result)` sees (and returns) every step's result when the
+    engine collects it; returns the original `launch` (assign it back to undo)."""
+    import dataclasses
+
+    inner = runner.launch
+
+    def launch(batch: object) -> object:
+        pending = inner(batch)
+        return dataclasses.replace(pending, finish=lambda host: fn(batch, pending.finish(host)))
+
+    runner.launch = launch
+    return inner
+
+
 def rand_prompt(rng: np.random.Generator, n: int) -> list[int]:
     return [int(t) for t in rng.integers(2, VOCAB, n)]
 
@@ -565,7 +580,7 @@ def test_a_failed_step_leaves_no_prefix_cached(engine: Engine, ref: Reference, m
         raise RuntimeError("device lost")
 
     with monkeypatch.context() as m:
-        m.setattr(engine.runner, "run", lost)
+        m.setattr(engine.runner, "launch", lost)
         with pytest.raises(RuntimeError, match="device lost"):
             engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8))
     assert not engine.scheduler.has_unfinished()

@@ -233,7 +233,7 @@ def test_failed_sync_changes_nothing(engine: Engine, refs, model_a, model_b) -> 
 
 def test_sync_during_generate_is_refused(engine: Engine, refs, model_a) -> None:
     expected_base = [refs["base"].greedy(p, GREEDY.max_tokens) for p in PROMPTS]
-    run = engine.runner.run
+    run = engine.runner.launch
     errors: list[Exception] = []
 
     def run_and_sync(batch):  # a sync attempted from inside a step, error caught by the caller
@@ -246,11 +246,11 @@ def test_sync_during_generate_is_refused(engine: Engine, refs, model_a) -> None:
                 errors.append(AssertionError("sync_weights during generate was not refused"))
         return run(batch)
 
-    engine.runner.run = run_and_sync
+    engine.runner.launch = run_and_sync
     try:
         got = greedy_ids(engine)
     finally:
-        engine.runner.run = run
+        engine.runner.launch = run
     assert len(errors) == 1 and isinstance(errors[0], RuntimeError), errors
     assert "generate() is running" in str(errors[0])
     assert got == expected_base and engine.policy_version is None
@@ -259,12 +259,12 @@ def test_sync_during_generate_is_refused(engine: Engine, refs, model_a) -> None:
         engine.sync_weights(to_hf(model_a), "hf")
         return run(batch)
 
-    engine.runner.run = run_and_sync_uncaught
+    engine.runner.launch = run_and_sync_uncaught
     try:
         with pytest.raises(RuntimeError, match="generate\\(\\) is running"):
             greedy_ids(engine)
     finally:
-        engine.runner.run = run
+        engine.runner.launch = run
     assert engine.policy_version is None and engine.stats().num_weight_syncs == 0
     # usable afterwards: generation on the old weights, then a sync, then the new weights
     assert greedy_ids(engine) == expected_base

@@ -104,3 +104,55 @@ def test_multi_step_config_is_validated(model) -> None:
     assert EngineConfig(speculative=Eagle3Config("head", k=2)).num_scheduler_steps == DEFAULT_SCHEDULER_STEPS
     with pytest.raises(ValueError, match="num_scheduler_steps"):
         Engine.from_model(model, ByteTokenizer(), **ENGINE_KW, num_scheduler_steps=0)
+
+
+def test_async_scheduling_changes_no_token() -> None:
+    """Decode calls launched ahead (their input tokens fed on the device) give exactly the tokens,
+    logprobs and finish reasons of the synchronous order, with every stop rule in play; a request
+    aborted while a call is in flight loses nothing else."""
+    from rollout.engine import Engine
+    from rollout.sampling_params import SamplingParams
+    from test_engine import ENGINE_KW, ByteTokenizer, make_model, rand_prompt
+
+    model = make_model(3, eos_logit=1.5)  # EOS now and then (~4% of tokens)
+    rng = np.random.default_rng(5)
+    prompts = [rand_prompt(rng, int(n)) for n in rng.integers(3, 40, 12)]
+    params = [SamplingParams(temperature=[0.0, 0.9][i % 2], seed=i, max_tokens=int(rng.integers(5, 60)),
+                             min_tokens=[0, 3][i % 3 == 0], n=1 + (i % 3 == 0), logprobs=i % 3,
+                             ignore_eos=i % 4 == 3) for i in range(12)]
+    # a stop id and a stop string taken from where two requests would otherwise go on past them
+    probe = Engine.from_model(model, ByteTokenizer(), **ENGINE_KW).generate(
+        prompts[1:3], [SamplingParams(temperature=0.9, seed=i, max_tokens=40, ignore_eos=True) for i in (1, 2)])
+    params[1] = SamplingParams(temperature=0.9, seed=1, max_tokens=40, ignore_eos=True, logprobs=1,
+                               stop_token_ids=[probe[0].outputs[0].token_ids[17]])
+    params[2] = SamplingParams(temperature=0.9, seed=2, max_tokens=40, ignore_eos=True,
+                               stop=[probe[1].outputs[0].text[20:22]])
+    outs = {}
+    for overlap in (False, True):
+        engine = Engine.from_model(model, ByteTokenizer(), **{**ENGINE_KW, "async_scheduling": overlap})
+        outs[overlap] = engine.generate(prompts, params)
+        assert (engine.stats().num_ahead_calls > 0) == overlap
+        assert not engine.has_unfinished_requests()
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_free(0)
+    reasons = set()
+    for a, b in zip(outs[False], outs[True]):
+        for x, y in zip(a.outputs, b.outputs):
+            assert (x.token_ids, x.text, x.finish_reason, x.stop_reason) == (y.token_ids, y.text, y.finish_reason,
+                                                                             y.stop_reason)
+            if x.logprobs is not None:
+                np.testing.assert_allclose(x.logprobs.values, y.logprobs.values, atol=1e-5)
+            reasons.add((x.finish_reason, type(x.stop_reason).__name__))
+    assert {("length", "NoneType"), ("stop", "NoneType"), ("stop", "int"), ("stop", "str")} <= reasons, reasons
+    # abort while a call is in flight: the other requests finish exactly as before
+    engine = Engine.from_model(model, ByteTokenizer(), **ENGINE_KW)
+    rids = [engine.add_request(p, sp) for p, sp in zip(prompts[:4], params[:4])]
+    while engine.stats().num_ahead_calls == 0:
+        engine.step()
+    assert engine._ahead is not None
+    engine.abort(rids[0])
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            final[out.request_id] = out
+    for rid, want in zip(rids[1:], outs[False][1:4]):
+        assert [c.token_ids for c in final[rid].outputs] == [c.token_ids for c in want.outputs]

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     engine = Engine.from_pretrained(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
     if not args.no_warmup:
-        engine.warmup()
+        engine.warmup(use_tqdm=True)
     name = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
     uvicorn.run(build_app(engine, model_name=name, weights_token=args.weights_token), host=args.host, port=args.port)
 
