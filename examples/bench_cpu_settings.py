@@ -7,7 +7,7 @@ must be set before the process starts), back to back on the same machine:
 - `row_kernel_off`: `JAX_ROLLOUT_ROW_KERNEL=0` (XLA's dot for steps of <= 8 rows too);
 - `amx_off`: `JAX_ROLLOUT_AMX=0` (no AMX tiles: the row kernel, or XLA's dot past its 64 rows);
 - `amx_from_9`: `JAX_ROLLOUT_AMX_FROM_ROWS=9` (layer matmuls of 9-24 rows on AMX tiles, as before the
-  twenty-fourth session, rather than the row kernel; differs from `default` only at B = 9..24);
+  2026-12-05, rather than the row kernel; differs from `default` only at B = 9..24);
 - `attention_jax`: `JAX_ROLLOUT_CPU_ATTENTION=0` (the pure-JAX paged attention instead of the C++ kernel);
 - `tcmalloc`: `LD_PRELOAD` of gperftools' tcmalloc (Debian `libtcmalloc-minimal4`; skipped when absent);
 - `pinned`: the process bound to cores 0..N-1 with `taskset` (on a 2-core machine this only stops

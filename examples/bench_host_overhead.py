@@ -71,8 +71,8 @@ def worker(args: argparse.Namespace) -> None:
         if hasattr(runner, "launch"):  # launch / collect (run is collect(launch(...)))
             inner = (runner.launch, runner.collect)
 
-            def timed_launch(batch: object, inner: tuple = inner, calls: list = calls) -> object:
-                pending = inner[0](batch)
+            def timed_launch(batch: object, inner: tuple = inner, calls: list = calls, **kwargs: object) -> object:
+                pending = inner[0](batch, **kwargs)
                 calls.append([time.perf_counter(), 0.0])
                 return pending
 

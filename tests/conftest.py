@@ -1,4 +1,4 @@
-"""Test session set-up: 8 fake CPU devices (for mesh tests) before JAX is imported."""
+"""Test set-up: 8 fake CPU devices (for mesh tests) before JAX is imported."""
 
 import os
 
@@ -34,7 +34,7 @@ def _free_compiled_programs():
         gc.collect()
 
 
-# Seconds each test file took in a clean-clone CI run (15th session, 2-core machine, junit times).
+# Seconds each test file took in a clean-clone CI run (2026-12-03, 2-core machine, junit times).
 # Only the order matters: files run heaviest first, so the two xdist workers (`.ci/run`, with
 # `--no-loadscope-reorder`; xdist's own order is by test count) take the long files early and
 # finish together instead of one worker running a long file alone at the end. New files sort last.

@@ -140,8 +140,8 @@ def observe_steps(runner: object, fn: object) -> object:
 
     inner = runner.launch
 
-    def launch(batch: object) -> object:
-        pending = inner(batch)
+    def launch(batch: object, **kwargs: object) -> object:
+        pending = inner(batch, **kwargs)
         return dataclasses.replace(pending, finish=lambda host: fn(batch, pending.finish(host)))
 
     runner.launch = launch

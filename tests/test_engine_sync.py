@@ -236,7 +236,7 @@ def test_sync_during_generate_is_refused(engine: Engine, refs, model_a) -> None:
     run = engine.runner.launch
     errors: list[Exception] = []
 
-    def run_and_sync(batch):  # a sync attempted from inside a step, error caught by the caller
+    def run_and_sync(batch, **kwargs):  # a sync attempted from inside a step, error caught by the caller
         if not errors:
             try:
                 engine.sync_weights(to_hf(model_a), "hf")
@@ -244,7 +244,7 @@ def test_sync_during_generate_is_refused(engine: Engine, refs, model_a) -> None:
                 errors.append(err)
             else:
                 errors.append(AssertionError("sync_weights during generate was not refused"))
-        return run(batch)
+        return run(batch, **kwargs)
 
     engine.runner.launch = run_and_sync
     try:
@@ -255,9 +255,9 @@ def test_sync_during_generate_is_refused(engine: Engine, refs, model_a) -> None:
     assert "generate() is running" in str(errors[0])
     assert got == expected_base and engine.policy_version is None
 
-    def run_and_sync_uncaught(batch):  # the error escapes the step: generate raises it
+    def run_and_sync_uncaught(batch, **kwargs):  # the error escapes the step: generate raises it
         engine.sync_weights(to_hf(model_a), "hf")
-        return run(batch)
+        return run(batch, **kwargs)
 
     engine.runner.launch = run_and_sync_uncaught
     try:
