@@ -9,11 +9,11 @@ HF `min_new_tokens = max_new_tokens`).
   no top-k, seed 0); once more at the largest B with the sampled token's logprob returned (HF:
   `output_logits=True, return_dict_in_generate=True`, then log-softmax + gather, so both sides do
   the same work).
-- R2: 8 long prompts (24-rule preamble + R1 prompt i) x n = 8, 64 new tokens, temperature 1,
-  logprobs on; against 64 distinct long prompts (i = 0..63) x n = 1 in the same run. Two
-  "distinct" rows: the engine as it is (its prefix cache still shares the common preamble across
-  the distinct prompts) and, for reference, with the prefix cache switched off for that run (no
-  sharing at all). HF gets `num_return_sequences = n` (it expands the prompts before prefill).
+- R2: 8 long prompts (`Task {i}. ` + 24-rule preamble + R1 prompt i) x n = 8, 64 new tokens,
+  temperature 1, logprobs on; against 64 distinct long prompts (i = 0..63) x n = 1 in the same run.
+  The leading `Task {i}.` gives every prompt its own first KV block, so distinct prompts share nothing
+  through the prefix cache (before 2026-12-06 they shared the preamble). Two "distinct" rows: the
+  engine as it is and, for reference, with the prefix cache switched off for that run. HF gets `num_return_sequences = n` (it expands the prompts before prefill).
 
 Metric: generated tokens / wall seconds of the whole generate call (prefill included), median of
 `--repeats` after one untimed warm-up of the same shape. The engine's prefix cache is cleared
@@ -64,7 +64,8 @@ r1_prompt = bc.r1_prompt
 
 
 def r2_prompt(i: int) -> str:
-    return PREAMBLE + " " + r1_prompt(i)
+    """R2's prompt i: its own `Task {i}.` first, so distinct prompts share no KV block through the prefix cache."""
+    return f"Task {i}. " + PREAMBLE + " " + r1_prompt(i)
 
 
 def build_runs(args: argparse.Namespace, tok: Any) -> list[dict[str, Any]]:

@@ -107,6 +107,8 @@ class EngineCore:
         return request_id
 
     def _add(self, prompt: str | None, ids: list[int], sp: SamplingParams, request_id: str) -> str:
+        if sp.max_tokens is None:  # vLLM's meaning: as many as the context leaves
+            sp = dataclasses.replace(sp, max_tokens=self.config.max_model_len - len(ids))
         seed = sp.seed if sp.seed is not None else int(self.rng.integers(0, 2**32))
         seqs = []
         for index in range(sp.n):
@@ -152,8 +154,8 @@ class EngineCore:
                              "are kept); add its prompt + completion ids as a new prompt instead")
         seqs = [s for s in req.seqs if s.finish_reason in ("abort", "length")]
         sp = req.params if params is None else params
-        extra = {s.seq_id: sp.max_tokens if params is not None else req.params.max_tokens - s.num_output_tokens
-                 for s in seqs}
+        extra = {s.seq_id: (req.params.max_tokens - s.num_output_tokens if params is None else sp.max_tokens
+                            if sp.max_tokens is not None else self.config.max_model_len - s.num_tokens) for s in seqs}
         seqs = [s for s in seqs if extra[s.seq_id] > 0]
         if not seqs:
             raise ValueError(f"request {request_id!r} has no sample to continue (each stopped on a stop rule or "

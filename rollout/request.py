@@ -47,7 +47,7 @@ def completion(seq: Sequence, tokenizer: Tokenizer, *, start: int = 0, text_star
     out_ids = seq.output_ids
     by_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)  # a stop id or EOS
     shown = out_ids[:-1] if by_token and not p.include_stop_str_in_output else out_ids
-    text = tokenizer.decode(shown, skip_special_tokens=p.skip_special_tokens)
+    text = tokenizer.decode(shown, skip_special_tokens=p.skip_special_tokens) if p.detokenize else ""
     if isinstance(seq.stop_reason, str) and seq.stop_text_at is not None:
         text = text[:seq.stop_text_at + (len(seq.stop_reason) if p.include_stop_str_in_output else 0)]
     elif p.stop and not final and not seq.is_finished:

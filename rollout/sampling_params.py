@@ -30,7 +30,7 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: until max_model_len
     min_tokens: int = 0
     stop: tuple[str, ...] | list[str] | str | None = None
     stop_token_ids: tuple[int, ...] | list[int] | None = None
@@ -41,6 +41,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     output_kind: OutputKind = "cumulative"
     include_stop_str_in_output: bool = False  # keep the stop string (or stop id's / EOS's text) in `text`
+    detokenize: bool = True  # False: `text` stays "" (token ids only; no stop strings then)
 
     def __post_init__(self) -> None:
         def fail(msg: str) -> None:
@@ -58,11 +59,11 @@ class SamplingParams:
             fail(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**32):
             fail(f"seed must be None or an integer in [0, 2**32), got {self.seed!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            fail(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            fail(f"max_tokens must be an integer >= 1 or None (until max_model_len), got {self.max_tokens!r}")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             fail(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             fail(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
@@ -79,6 +80,10 @@ class SamplingParams:
         if any(not isinstance(s, str) or not s for s in stop):
             fail(f"stop must be non-empty strings, got {self.stop!r}")
         object.__setattr__(self, "stop", stop)
+        if not isinstance(self.detokenize, bool):
+            fail(f"detokenize must be True or False, got {self.detokenize!r}")
+        if stop and not self.detokenize:
+            fail("stop strings need detokenize=True (the text is what they are searched in); use stop_token_ids")
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
             raise TypeError(f"SamplingParams: stop_token_ids must be a list of token ids, got "
                             f"{type(self.stop_token_ids).__name__} {self.stop_token_ids!r}")

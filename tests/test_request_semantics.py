@@ -78,3 +78,19 @@ def test_bad_sampling_fields() -> None:
         SamplingParams(stop_token_ids=5)
     with pytest.raises(TypeError, match="stop_token_ids must be a list"):
         SamplingParams(stop_token_ids="12")
+
+
+def test_max_tokens_none_runs_to_the_context_end_and_detokenize_false_keeps_ids(engine: Engine, model) -> None:
+    """vLLM's `max_tokens=None` (as many as max_model_len leaves) and `detokenize=False` (ids only)."""
+    prompt = rand_prompt(np.random.default_rng(3), 100)
+    (out,) = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True))
+    c = out.outputs[0]
+    assert len(c.token_ids) == ENGINE_KW["max_model_len"] - 100 and c.finish_reason == "length"
+    assert c.token_ids == Reference(model).greedy(prompt, len(c.token_ids))
+    (raw,) = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, detokenize=False,
+                                                      logprobs=0))
+    assert raw.outputs[0].text == "" and raw.outputs[0].token_ids == c.token_ids[:6]
+    with pytest.raises(ValueError, match="detokenize"):
+        SamplingParams(stop=["x"], detokenize=False)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)

@@ -128,14 +128,21 @@ def expected_shapes(hf_config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
             "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
             "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
             "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
-            "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i),
         }
+        if n in cfg.moe_layers:  # routed experts (runner/models/moe.py)
+            e, m = cfg.num_experts, cfg.moe_intermediate_size
+            layer["mlp.gate.weight"] = (e, h)
+            for x in range(e):
+                layer.update({f"mlp.experts.{x}.gate_proj.weight": (m, h), f"mlp.experts.{x}.up_proj.weight": (m, h),
+                              f"mlp.experts.{x}.down_proj.weight": (h, m)})
+        else:
+            layer.update({"mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i)})
         if cfg.qkv_bias:
             layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
                           "self_attn.v_proj.bias": (kv,)})
         if cfg.o_bias:
             layer["self_attn.o_proj.bias"] = (h,)
-        if cfg.mlp_bias:
+        if cfg.mlp_bias and n not in cfg.moe_layers:
             layer.update({"mlp.gate_proj.bias": (i,), "mlp.up_proj.bias": (i,), "mlp.down_proj.bias": (h,)})
         if cfg.qk_norm:
             layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})

@@ -24,7 +24,7 @@ class RopeScaling:
 class ModelConfig:
     """Hyper-parameters of one Llama-family decoder (Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3)."""
 
-    family: str  # a key of `runner.models.registry.FAMILIES`: "llama" | "qwen2" | "qwen3"
+    family: str  # a key of `runner.models.registry.FAMILIES`: "llama" | "qwen2" | "qwen3" | "qwen3_moe"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -45,6 +45,14 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     param_dtype: str = "float32"
     dtype: str = "float32"  # compute dtype
+    # Mixture of experts (Qwen3-MoE): the layers whose MLP is `num_experts` experts of
+    # `moe_intermediate_size`, `num_experts_per_tok` chosen per token by softmax routing (renormalised
+    # over the chosen ones when `norm_topk_prob`); the other layers keep the dense MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()
     # Set when the heads above are padded / replicated for a tensor-parallel mesh: maps them to the
     # checkpoint's (trainer's) heads, whose layout `sync_weights` accepts (`runner.models.head_layout`).
     head_layout: HeadLayout | None = None
@@ -63,6 +71,9 @@ class ModelConfig:
                 f"num_key_value_heads ({self.num_key_value_heads}) for grouped-query attention")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.moe_layers and not (0 < self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size > 0):
+            raise ValueError(f"a mixture of experts needs 0 < num_experts_per_tok ({self.num_experts_per_tok}) <= "
+                             f"num_experts ({self.num_experts}) and moe_intermediate_size > 0")
         for name in ("param_dtype", "dtype"):
             if getattr(self, name) not in SUPPORTED_DTYPES:
                 raise ValueError(f"{name} must be one of {SUPPORTED_DTYPES}, got {getattr(self, name)!r}")

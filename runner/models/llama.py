@@ -20,6 +20,7 @@ from runner.attention import AttentionMetadata, causal_attention, paged_attentio
 from runner.backends.base import XLA_MATMUL, XLA_MATMUL_NT, Matmul, PackedKernel
 from runner.models.config import ModelConfig
 from runner.models.family import AttentionSpec, KVCaches
+from runner.models.moe import SparseMoE
 
 
 def _dtype(name: str) -> jnp.dtype:
@@ -144,13 +145,13 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm residual block: attention then MLP."""
+    """Pre-norm residual block: attention then MLP (or routed experts: `runner.models.moe`)."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, spec: AttentionSpec):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, spec: AttentionSpec, layer: int = 0):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, cfg=cfg)
         self.self_attn = Attention(cfg, rngs, spec)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, cfg=cfg)
-        self.mlp = MLP(cfg, rngs)
+        self.mlp = SparseMoE(cfg, rngs) if layer in cfg.moe_layers else MLP(cfg, rngs)
 
     def __call__(self, x: Float[Array, "B S H"], positions: Int[Array, "B S"],
                  attention_mask: Int[Array, "B S"] | None) -> Float[Array, "B S H"]:
@@ -174,7 +175,7 @@ class LlamaForCausalLM(nnx.Module):
         from runner.models.registry import get_family  # the registry imports this module
 
         spec = get_family(cfg.family).attention_spec
-        self.layers = nnx.List([DecoderLayer(cfg, rngs, spec(cfg, i)) for i in range(cfg.num_hidden_layers)])
+        self.layers = nnx.List([DecoderLayer(cfg, rngs, spec(cfg, i), i) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, cfg=cfg)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
             cfg.hidden_size, cfg.vocab_size, bias=False, cfg=cfg, rngs=rngs)

@@ -1,4 +1,4 @@
-"""The Llama family's declarations (Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3 share one module): the name
+"""The Llama family's declarations (Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3, Qwen3-MoE share one module): the name
 table, sharding rules, the family-specific config fields and the attention spec."""
 
 from __future__ import annotations
@@ -35,6 +35,13 @@ LLAMA_NAMES: tuple[NameEntry, ...] = (
                     _layer(f"{hf}.bias", f"{hf}.bias", f"{gguf}.bias"))),
 )
 
+MOE_NAMES: tuple[NameEntry, ...] = (
+    _layer("mlp.gate.weight", "mlp.gate.kernel", "ffn_gate_inp.weight", transpose=True),
+    # llama.cpp stacks the experts into one tensor (`ffn_*_exps`): no per-expert GGUF names
+    *(NameEntry(f"{_L}.mlp.experts.*.{p}.weight", f"layers.*.mlp.experts.*.{p}.kernel", True)
+      for p in ("gate_proj", "up_proj", "down_proj")),
+)
+
 LLAMA_SHARDING: ShardingRules = (
     (r"embed_tokens", ("vocab", None)),
     (r"lm_head\.kernel", (None, "vocab")),
@@ -44,6 +51,8 @@ LLAMA_SHARDING: ShardingRules = (
     (r"layers\.\d+\.mlp\.(gate_proj|up_proj)\.kernel", (None, "mlp")),
     (r"layers\.\d+\.mlp\.(gate_proj|up_proj)\.bias", ("mlp",)),
     (r"layers\.\d+\.mlp\.down_proj\.kernel", ("mlp", None)),
+    (r"layers\.\d+\.mlp\.experts\.\d+\.(gate_proj|up_proj)\.kernel", (None, "mlp")),
+    (r"layers\.\d+\.mlp\.experts\.\d+\.down_proj\.kernel", ("mlp", None)),
     (r".*", ()),  # norms, biases of row-parallel layers, buffers: replicated
 )
 # llama.cpp permuted Q/K rows of `llama` GGUFs -> the head count that undoes it
@@ -67,6 +76,19 @@ def _qwen3_fields(hf: Mapping[str, object]) -> dict[str, object]:
     return {**_llama_fields(hf), "qk_norm": True}
 
 
+def _qwen3_moe_fields(hf: Mapping[str, object]) -> dict[str, object]:
+    """Qwen3-MoE: layer l routes to experts when `(l + 1) % decoder_sparse_step == 0` and it is not in
+    `mlp_only_layers` (transformers' rule)."""
+    step = int(hf.get("decoder_sparse_step", 1) or 1)
+    dense = set(hf.get("mlp_only_layers") or ())
+    experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)  # the hub name, transformers 5's
+    layers = tuple(i for i in range(int(hf["num_hidden_layers"])) if experts > 0 and i not in dense
+                   and (i + 1) % step == 0)
+    return {**_qwen3_fields(hf), "num_experts": experts, "num_experts_per_tok": int(hf.get("num_experts_per_tok", 0)),
+            "moe_intermediate_size": int(hf.get("moe_intermediate_size", 0)),
+            "norm_topk_prob": bool(hf.get("norm_topk_prob", False)), "moe_layers": layers}
+
+
 def _attention_spec(cfg: ModelConfig, layer: int) -> AttentionSpec:
     return AttentionSpec(scale=cfg.head_dim ** -0.5)
 
@@ -76,8 +98,9 @@ def _buffers(cfg: ModelConfig, rest: nnx.State) -> nnx.State:
     return jax.tree.map(lambda _: inv_freq, rest)
 
 
-def _family(name: str, arch: str, fields: object, gguf_permuted: Mapping[str, str] | None = None) -> ModelFamily:
-    return ModelFamily(name=name, architectures=(arch,), module=LlamaForCausalLM, names=LLAMA_NAMES,
+def _family(name: str, arch: str, fields: object, gguf_permuted: Mapping[str, str] | None = None,
+            names: tuple[NameEntry, ...] = LLAMA_NAMES) -> ModelFamily:
+    return ModelFamily(name=name, architectures=(arch,), module=LlamaForCausalLM, names=names,
                        sharding_rules=LLAMA_SHARDING, config_fields=fields, attention_spec=_attention_spec,
                        buffers=_buffers, ignored_hf=ROTARY_BUFFERS, gguf_permuted=gguf_permuted or {})
 
@@ -85,3 +108,4 @@ def _family(name: str, arch: str, fields: object, gguf_permuted: Mapping[str, st
 LLAMA = _family("llama", "LlamaForCausalLM", _llama_fields, LLAMA_GGUF_PERMUTED)
 QWEN2 = _family("qwen2", "Qwen2ForCausalLM", _qwen2_fields)
 QWEN3 = _family("qwen3", "Qwen3ForCausalLM", _qwen3_fields)
+QWEN3_MOE = _family("qwen3_moe", "Qwen3MoeForCausalLM", _qwen3_moe_fields, names=LLAMA_NAMES + MOE_NAMES)

@@ -1,0 +1,88 @@
+"""A mixture-of-experts feed-forward block (Qwen3-MoE): softmax routing to the top-k experts per token,
+the chosen (token, expert) pairs sorted by expert and computed as grouped matmuls (`jax.lax.ragged_dot`:
+each expert multiplies only its own tokens, never a dense all-experts product). Where the step is mapped
+over data-parallel replicas (on a mesh), jax 0.10.2 has no batching rule for `ragged_dot`: there every
+expert runs on every token, weighted by the routing (exact, E / k times the work).
+
+The experts are separate modules (`experts.{e}.gate_proj.kernel`, ...: HF's per-expert names map one to
+one) and are stacked into `[E, in, out]` inside the step."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from runner.models.config import ModelConfig
+
+
+class ExpertWeight(nnx.Module):
+    """One expert projection's `[in, out]` kernel (read by the block's grouped matmul, not called)."""
+
+    def __init__(self, in_features: int, out_features: int, *, cfg: ModelConfig, rngs: nnx.Rngs):
+        init = jax.nn.initializers.normal(stddev=0.02)
+        self.kernel = nnx.Param(init(rngs.params(), (in_features, out_features), jnp.dtype(cfg.param_dtype)))
+
+
+class Expert(nnx.Module):
+    """One SwiGLU expert: `down(silu(gate(x)) * up(x))` (HF names `experts.{e}.{gate,up,down}_proj`)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        h, i = cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_proj = ExpertWeight(h, i, cfg=cfg, rngs=rngs)
+        self.up_proj = ExpertWeight(h, i, cfg=cfg, rngs=rngs)
+        self.down_proj = ExpertWeight(i, h, cfg=cfg, rngs=rngs)
+
+
+class SparseMoE(nnx.Module):
+    """Routed experts in place of a layer's MLP."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.config = cfg
+        self.gate = ExpertWeight(cfg.hidden_size, cfg.num_experts, cfg=cfg, rngs=rngs)  # the router
+        self.experts = nnx.List([Expert(cfg, rngs) for _ in range(cfg.num_experts)])
+
+    def route(self, x: Float[Array, "N H"]) -> tuple[Float[Array, "N k"], jax.Array]:
+        """Each token's `num_experts_per_tok` experts and their weights (softmax in float32, as HF)."""
+        cfg = self.config
+        logits = jnp.dot(x, self.gate.kernel[...].astype(x.dtype)).astype(jnp.float32)
+        weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), cfg.num_experts_per_tok)
+        if cfg.norm_topk_prob:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        return weights.astype(x.dtype), experts
+
+    def __call__(self, x: Float[Array, "... H"]) -> Float[Array, "... H"]:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, experts = self.route(flat)
+        try:
+            out = self._grouped(flat, weights, experts)
+        except NotImplementedError:  # jax 0.10.2's ragged_dot cannot be vmapped here (a step mapped over mesh replicas)
+            out = self._dense(flat, weights, experts)
+        return out.reshape(x.shape)
+
+    def _stacked(self, name: str, dtype: jnp.dtype) -> Float[Array, "E A B"]:
+        return jnp.stack([getattr(e, name).kernel[...] for e in self.experts]).astype(dtype)
+
+    def _grouped(self, x: Float[Array, "N H"], weights: Float[Array, "N k"], experts: Int[Array, "N k"]
+                 ) -> Float[Array, "N H"]:
+        """(token, expert) pairs sorted by expert, one grouped matmul per projection."""
+        k = self.config.num_experts_per_tok
+        order = jnp.argsort(experts.reshape(-1), stable=True)
+        token = order // k
+        sizes = jnp.bincount(experts.reshape(-1), length=self.config.num_experts).astype(jnp.int32)
+        xs = x[token]
+        h = (jax.nn.silu(jax.lax.ragged_dot(xs, self._stacked("gate_proj", x.dtype), sizes))
+             * jax.lax.ragged_dot(xs, self._stacked("up_proj", x.dtype), sizes))
+        ys = jax.lax.ragged_dot(h, self._stacked("down_proj", x.dtype), sizes) * weights.reshape(-1)[order][:, None]
+        return jnp.zeros_like(x).at[token].add(ys)
+
+    def _dense(self, x: Float[Array, "N H"], weights: Float[Array, "N k"], experts: Int[Array, "N k"]
+               ) -> Float[Array, "N H"]:
+        """Every expert on every token, weighted by the routing (zero where not chosen): the same sums."""
+        per_expert = jnp.zeros((x.shape[0], self.config.num_experts), x.dtype)
+        per_expert = per_expert.at[jnp.arange(x.shape[0])[:, None], experts].add(weights)
+        h = (jax.nn.silu(jnp.einsum("nh,ehi->eni", x, self._stacked("gate_proj", x.dtype)))
+             * jnp.einsum("nh,ehi->eni", x, self._stacked("up_proj", x.dtype)))
+        y = jnp.einsum("eni,eih->enh", h, self._stacked("down_proj", x.dtype))
+        return jnp.einsum("ne,enh->nh", per_expert, y)
