@@ -141,6 +141,24 @@ class Engine(EngineCore):
         return build_trajectory_batch(trajectories, pad_id=pad_id, policy_version=self.policy_version,
                                       group_ids=group_ids)
 
+    # ---- colocation with a trainer on one accelerator ---------------------------------------------
+    def sleep(self, *, offload_weights: bool = False) -> None:
+        """Free the KV cache's device memory (and, with `offload_weights`, move the weights to host
+        memory) while the trainer needs the accelerator; `wake()` restores both without compiling.
+        Refused while requests are unfinished (abort or finish them first); nothing runs while asleep."""
+        if self.requests or self.has_unfinished_requests():
+            raise RuntimeError(f"sleep() with {len(self.requests)} unfinished request(s): finish or abort them first")
+        self.runner.release(offload_weights=offload_weights)
+        self.block_manager.invalidate_prefix_cache()  # the cached K/V is gone
+
+    def wake(self) -> None:
+        """Bring back what `sleep` freed (a zeroed KV cache, the weights as they were)."""
+        self.runner.restore()
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.runner.released
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached prompt prefix (the next requests recompute their prompts)."""
         self.block_manager.invalidate_prefix_cache()

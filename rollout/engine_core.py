@@ -107,6 +107,8 @@ class EngineCore:
         return request_id
 
     def _add(self, prompt: str | None, ids: list[int], sp: SamplingParams, request_id: str) -> str:
+        if self.runner.released:
+            raise RuntimeError("the engine is asleep (sleep() freed its KV cache): call wake() first")
         if sp.max_tokens is None:  # vLLM's meaning: as many as the context leaves
             sp = dataclasses.replace(sp, max_tokens=self.config.max_model_len - len(ids))
         seed = sp.seed if sp.seed is not None else int(self.rng.integers(0, 2**32))
@@ -291,6 +293,8 @@ class EngineCore:
         if self._in_step:
             raise RuntimeError("sync_weights() was called inside an engine step (while generate() is running "
                                "one, say); call it between steps")
+        if self.runner.released:
+            raise RuntimeError("sync_weights() while the engine is asleep: call wake() first")
         plans = self.weights.check(params, mapping, check_finite=check_finite, draft_params=draft_params,
                                    draft_mapping=draft_mapping)
         self._drain()  # tokens of a call launched ahead were sampled under the old weights

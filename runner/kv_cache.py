@@ -8,6 +8,8 @@ axis (its own blocks, on its own devices); a replica's K (or V) slice has the
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +66,12 @@ class KVCacheSpec:
 def allocate_kv_caches(shape: tuple[int, ...], dtype: str, num_layers: int,
                        sharding: jax.sharding.Sharding | None = None) -> KVCaches:
     """Zeroed caches of one layer's `shape` (the backend's layout of `KVCacheSpec.shape`), one array per
-    layer (created directly in `sharding` when given)."""
-    make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+    layer (created directly in `sharding` when given). The zeroing program is compiled once per layout,
+    so a cache freed and allocated again (`Engine.sleep` / `wake`) compiles nothing."""
+    make = _zeros_program(tuple(shape), str(dtype), sharding)
     return tuple(make() for _ in range(num_layers))
+
+
+@functools.lru_cache(maxsize=None)
+def _zeros_program(shape: tuple[int, ...], dtype: str, sharding: jax.sharding.Sharding | None) -> Callable[[], jax.Array]:
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)

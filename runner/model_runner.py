@@ -24,7 +24,7 @@ from jaxtyping import Array, Float, Int
 from runner.backends.base import Backend
 from runner.buckets import BucketConfig
 from runner.kv_cache import KVCacheSpec, allocate_kv_caches
-from runner.models.family import CausalLM
+from runner.models.family import CausalLM, KVCaches
 from runner.models.registry import get_family
 from runner.sampler import SamplerOutput
 from runner.sharding import kv_cache_sharding, make_mesh, shard_params
@@ -118,7 +118,9 @@ class ModelRunner:
         self.rest = jax.device_put(jax.tree.map(lambda x: jnp.array(x, copy=True), rest),
                                    NamedSharding(self.mesh, PartitionSpec()))
         self.kv_spec = kv_spec
-        self.kv_caches = allocate_kv_caches(kv_shape, kv_spec.dtype, kv_spec.num_layers, kv_sharding)
+        self._kv_layout = (kv_shape, kv_spec.dtype, kv_spec.num_layers, kv_sharding)
+        self.kv_caches: KVCaches | None = allocate_kv_caches(*self._kv_layout)  # None while released
+        self._offloaded: tuple[list[np.ndarray], list[np.ndarray]] | None = None  # weights on the host (`release`)
         self._scalar_sharding = NamedSharding(self.mesh, PartitionSpec())
         # what a multi-step decode call reads its fed tokens from when none are fed (fixed size: every bucket fits)
         self._no_feed = jax.device_put(jnp.zeros(kv_spec.num_replicas * max(buckets.seq_buckets), jnp.int32),
@@ -277,6 +279,35 @@ class ModelRunner:
         params = jax.tree.leaves(self.params)
         self._refresh_packed(params)
         return params, jax.tree.leaves(self.rest)
+
+    def release(self, *, offload_weights: bool = False) -> None:
+        """Free the KV cache's device memory (its contents are lost) and, with `offload_weights`, move the
+        parameters to host memory; `restore()` brings both back with the same shapes and shardings."""
+        if self.kv_caches is not None:
+            for cache in self.kv_caches:
+                cache.delete()
+            self.kv_caches = None
+        if offload_weights and self._offloaded is None:
+            arrays = (jax.tree.leaves(self.params), jax.tree.leaves(self.rest))
+            self._offloaded = jax.device_get(arrays)
+            self._offload_shardings = jax.tree.map(lambda x: x.sharding, arrays)
+            for x in (*arrays[0], *arrays[1]):
+                x.delete()
+
+    def restore(self) -> None:
+        """Undo `release`: a zeroed KV cache (no program compiled) and the parameters back on the devices."""
+        if self.kv_caches is None:
+            self.kv_caches = allocate_kv_caches(*self._kv_layout)
+        if self._offloaded is not None:
+            params, rest = jax.device_put(self._offloaded, self._offload_shardings)
+            self.params = jax.tree.unflatten(jax.tree.structure(self.params), params)
+            self.rest = jax.tree.unflatten(jax.tree.structure(self.rest), rest)
+            self._packed_from = tuple(map(id, jax.tree.leaves(self.params)))  # `rest` came back packed as it was
+            self._offloaded = None
+
+    @property
+    def released(self) -> bool:
+        return self.kv_caches is None or self._offloaded is not None
 
     def weights_updated(self) -> None:
         """After `sync_weights` wrote new arrays: recompute the packed weights now, inside the sync
