@@ -62,6 +62,12 @@ class EngineConfig:
     # the host (the device feeds them), so the device computes while the host applies the previous
     # call's tokens. Tokens are those of the synchronous order; work a stopped sequence's next call did is dropped.
     async_scheduling: bool = True
+    # Staleness bound for asynchronous RL: at a weight sync, a running sample whose generation began more
+    # than this many policy versions ago is aborted (its partial output returned, finish_reason "abort";
+    # `policy_lag_action="abort"`) or recomputed under the new weights (its tokens kept; "recompute"),
+    # after which its lag counts from the new version. None: no bound.
+    max_policy_lag: int | None = None
+    policy_lag_action: str = "abort"
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "block_size"):
@@ -94,6 +100,10 @@ class EngineConfig:
             raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if self.max_policy_lag is not None and (not isinstance(self.max_policy_lag, int) or self.max_policy_lag < 0):
+            raise ValueError(f"max_policy_lag must be None or an integer >= 0, got {self.max_policy_lag!r}")
+        if self.policy_lag_action not in ("abort", "recompute"):
+            raise ValueError(f"policy_lag_action must be 'abort' or 'recompute', got {self.policy_lag_action!r}")
         if self.compilation_cache_dir is not None and (not isinstance(self.compilation_cache_dir, str)
                                                        or not self.compilation_cache_dir):
             raise ValueError(f"compilation_cache_dir must be 'auto', a folder or None, got {self.compilation_cache_dir!r}")
@@ -116,6 +126,8 @@ class EngineStats:
     num_compilations: int = 0
     num_weight_syncs: int = 0
     num_ahead_calls: int = 0  # decode calls launched before the previous call's tokens reached the host
+    num_lag_aborts: int = 0  # samples aborted by `max_policy_lag`
+    num_lag_recomputes: int = 0  # samples recomputed under new weights by `max_policy_lag`
     generate_seconds: float = 0.0
     speculative: SpecStats | None = None  # drafting counters when speculation is configured
     backend: str = ""  # the kernel backend chosen (runner/backends/)

@@ -303,9 +303,36 @@ class EngineCore:
             self.runner.weights_updated()
         finally:  # even a sync that failed part way (device memory) may have changed weights
             self.block_manager.invalidate_prefix_cache()
+        self.policy_version = version if version is not None else (self.policy_version or 0) + 1
         if recompute_running:
             for seq in sorted(self.scheduler.running, key=lambda s: -s.arrival):
                 self.scheduler.preempt(seq, count=False)
-        self.policy_version = version if version is not None else (self.policy_version or 0) + 1
+                seq.admitted_version = self.policy_version  # its policy lag counts from here
         self.stats_.num_weight_syncs += 1
+        self._bound_policy_lag()
+
+    def _bound_policy_lag(self) -> None:
+        """`EngineConfig.max_policy_lag`: samples that began more versions ago (version None counts as 0)
+        are aborted (their outputs wait for `step()`) or recomputed under the weights just synced."""
+        bound, now = self.config.max_policy_lag, self.policy_version
+        if bound is None:
+            return
+        for seq in [s for s in self.scheduler.running + list(self.scheduler.waiting) if not s.is_finished]:
+            if not seq.num_output_tokens and seq not in self.scheduler.running:
+                seq.admitted_version = now  # not begun yet: its lag starts now
+            if now - (seq.admitted_version or 0) <= bound:
+                continue
+            if self.config.policy_lag_action == "recompute":
+                if seq in self.scheduler.running:
+                    self.scheduler.preempt(seq, count=False)
+                seq.admitted_version = now
+                self.stats_.num_lag_recomputes += 1
+            else:
+                self.scheduler.abort([seq])
+                seq.finish_reason = "abort"
+                self.stats_.num_lag_aborts += 1
+        for rid, req in list(self.requests.items()):
+            if req.finished:
+                self._deferred.append(request_output(req, self.tokenizer, kind="cumulative"))
+                self._forget(req)
 

@@ -306,3 +306,35 @@ def test_multi_turn_trajectories_mask_environment_tokens(engine: Engine, ref: Re
             assert batch.logprobs[b, p - 1 + i] == pytest.approx(logp[p - 1 + i, t.completion_ids[i]], abs=2e-4)
         assert (batch.logprobs[b, p - 1:p - 1 + n][~want_mask] == 0).all()
         assert (batch.completion_policy_versions[b, :n][~want_mask] == -1).all()
+
+
+@pytest.mark.parametrize("action", ["abort", "recompute"])
+def test_max_policy_lag_bounds_staleness(model, ref: Reference, action: str) -> None:
+    """A sample that began more than `max_policy_lag` versions ago is aborted (partial output returned) or
+    recomputed under the new weights; younger ones run on; everything is counted."""
+    from test_weight_sync import to_hf
+
+    engine = Engine.from_model(model, ByteTokenizer(), **{**ENGINE_KW, "max_policy_lag": 1,
+                                                          "policy_lag_action": action})
+    same = to_hf(model)
+    sp = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    old = engine.add_request(PROMPTS[0], sp)
+    engine.step()
+    engine.step()
+    engine.sync_weights(same, "hf")  # version 1: `old` began under version None (0): lag 1, kept
+    young = engine.add_request(PROMPTS[1], sp)
+    engine.step()
+    engine.step()
+    engine.sync_weights(same, "hf")  # version 2: `old` lag 2 > 1; `young` began at 1: lag 1, kept
+    stats = engine.stats()
+    final = {rid: outs[-1] for rid, outs in run_to_end(engine).items()}
+    if action == "abort":
+        assert stats.num_lag_aborts == 1 and final[old].outputs[0].finish_reason == "abort"
+        assert 0 < len(final[old].outputs[0].token_ids) < 60
+    else:
+        assert stats.num_lag_recomputes == 1 and final[old].outputs[0].finish_reason == "length"
+    assert final[young].outputs[0].finish_reason == "length"
+    for rid, prompt in ((old, PROMPTS[0]), (young, PROMPTS[1])):
+        c = final[rid].outputs[0]
+        assert c.token_ids == ref.greedy(prompt, len(c.token_ids))  # the same weights throughout
+    assert not engine.has_unfinished_requests()
