@@ -21,7 +21,7 @@ from rollout.block_manager import BlockManager
 from rollout.engine_config import EngineConfig, EngineStats
 from rollout.output_processor import OutputProcessor
 from rollout.outputs import RequestOutput
-from rollout.policy_sync import WeightUpdater
+from rollout.policy_sync import PolicyUpdates, WeightUpdater
 from rollout.request import Request, request_output
 from rollout.request_validation import Prompt, RequestLimits, prompt_token_ids
 from rollout.sampling_params import SamplingParams
@@ -35,8 +35,9 @@ from runner.spec_decode.eagle3_config import Eagle3Config
 
 NUM_RESUMABLE = 4096  # ended requests kept (newest first) so that `resume` can continue them
 
-class EngineCore:
-    """A request table over the scheduler, the KV block manager and the model runner."""
+class EngineCore(PolicyUpdates):
+    """A request table over the scheduler, the KV block manager and the model runner (weight syncs:
+    `rollout.policy_sync.PolicyUpdates`)."""
 
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, config: EngineConfig,
                  eos_token_ids: tuple[int, ...]) -> None:
@@ -269,70 +270,3 @@ class EngineCore:
                                         steps, verified=result.verified)
         self.stats_.record_step(batch)
         self.stats_.generated_tokens += sum(s.num_output_tokens for s in batch.seqs) - before
-
-    # ---- weights ------------------------------------------------------------------------------
-    def sync_weights(self, params: object, mapping: str | tuple | list | None = None, *,
-                     version: int | None = None, check_finite: bool = False,
-                     draft_params: object | None = None, draft_mapping: str | tuple | list | None = None,
-                     recompute_running: bool = False) -> None:
-        """Put new policy parameters into the engine in place: no reload, no recompilation. Legal
-        between any two steps, with requests running.
-
-        `params` is the trainer's pytree: an `nnx.State` of this model class (mapping None), HF
-        names and `[out, in]` layouts (mapping "hf"), or any tree with a `weight_sync` rule list.
-        `draft_params`: new EAGLE-3 head weights in the same call (an `nnx.State` of the head, or the
-        published layout with `draft_mapping="eagle3-hf"`); the head's shared embedding / lm_head
-        are the policy's own arrays, so they follow `params` without being passed.
-        Everything is validated first (one error lists every problem, weights untouched). The KV
-        cache allocation is kept; cached prefixes are dropped (their K/V came from old weights).
-        Running requests go on under the new weights: by default they keep the K/V computed so far
-        (PipelineRL's in-flight update); `recompute_running=True` recomputes it under the new weights
-        first (their tokens so far are kept). Tokens sampled from now on record `version` (default:
-        previous version + 1).
-        """
-        if self._in_step:
-            raise RuntimeError("sync_weights() was called inside an engine step (while generate() is running "
-                               "one, say); call it between steps")
-        if self.runner.released:
-            raise RuntimeError("sync_weights() while the engine is asleep: call wake() first")
-        plans = self.weights.check(params, mapping, check_finite=check_finite, draft_params=draft_params,
-                                   draft_mapping=draft_mapping)
-        self._drain()  # tokens of a call launched ahead were sampled under the old weights
-        try:
-            self.weights.write(plans, params, draft_params, check_finite=check_finite)
-            self.runner.weights_updated()
-        finally:  # even a sync that failed part way (device memory) may have changed weights
-            self.block_manager.invalidate_prefix_cache()
-        self.policy_version = version if version is not None else (self.policy_version or 0) + 1
-        if recompute_running:
-            for seq in sorted(self.scheduler.running, key=lambda s: -s.arrival):
-                self.scheduler.preempt(seq, count=False)
-                seq.admitted_version = self.policy_version  # its policy lag counts from here
-        self.stats_.num_weight_syncs += 1
-        self._bound_policy_lag()
-
-    def _bound_policy_lag(self) -> None:
-        """`EngineConfig.max_policy_lag`: samples that began more versions ago (version None counts as 0)
-        are aborted (their outputs wait for `step()`) or recomputed under the weights just synced."""
-        bound, now = self.config.max_policy_lag, self.policy_version
-        if bound is None:
-            return
-        for seq in [s for s in self.scheduler.running + list(self.scheduler.waiting) if not s.is_finished]:
-            if not seq.num_output_tokens and seq not in self.scheduler.running:
-                seq.admitted_version = now  # not begun yet: its lag starts now
-            if now - (seq.admitted_version or 0) <= bound:
-                continue
-            if self.config.policy_lag_action == "recompute":
-                if seq in self.scheduler.running:
-                    self.scheduler.preempt(seq, count=False)
-                seq.admitted_version = now
-                self.stats_.num_lag_recomputes += 1
-            else:
-                self.scheduler.abort([seq])
-                seq.finish_reason = "abort"
-                self.stats_.num_lag_aborts += 1
-        for rid, req in list(self.requests.items()):
-            if req.finished:
-                self._deferred.append(request_output(req, self.tokenizer, kind="cumulative"))
-                self._forget(req)
-
