@@ -238,3 +238,18 @@ def test_the_command_line_server_on_the_default_model(tmp_path) -> None:
         proc.terminate()
         proc.wait(timeout=30)
         log.close()
+
+
+def test_streaming_several_prompts_with_n_interleaves_every_choice(client: openai.OpenAI) -> None:
+    """Two prompts x n = 2 streamed: each of the four choices' chunks add up to its non-streamed text."""
+    kw = dict(model="tiny", prompt=["Hello there", "General"], max_tokens=10, n=2, temperature=1.0, seed=9,
+              extra_body={"ignore_eos": True})
+    whole = {c.index: c.text for c in client.completions.create(**kw).choices}
+    parts: dict[int, str] = {}
+    finished = set()
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            parts[c.index] = parts.get(c.index, "") + c.text
+            if c.finish_reason is not None:
+                finished.add(c.index)
+    assert parts == whole and finished == {0, 1, 2, 3}
