@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from tqdm import tqdm
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array
+from tqdm import tqdm
 
 from runner.backends.base import Backend
 from runner.buckets import BucketConfig
@@ -30,48 +29,12 @@ from runner.sampler import SamplerOutput
 from runner.sharding import kv_cache_sharding, make_mesh, shard_params
 from runner.spec_decode.eagle3 import Eagle3Head
 from runner.spec_decode.eagle3_drafter import Eagle3Drafter
+from runner.spec_decode.eagle3_launch import launch_draft_verify, launch_draft_verify_steps
 from runner.step_inputs import (  # noqa: F401  (StepBatch, MAX_SUPPRESS: re-exported for the engine)
     MAX_SUPPRESS, DeviceBatch, StepBatch, pad_replicas)
 from runner.step_program import compiled_chunk, compiled_step
+from runner.step_result import PendingStep, StepResult, sampled_rows  # noqa: F401  (re-exported)
 from runner.warmup_steps import DummySteps
-
-
-@dataclasses.dataclass(frozen=True)
-class StepResult:
-    """What comes back to the host, one layout for every kind of step: `[steps, rows]`, where a row is
-    a sampled row of the plan (one per sequence, or one per verified token) and a step one device
-    iteration (one for a single step; a multi-step call's later steps past a sequence's count are
-    garbage the host never reads). Per-token logprobs of a prefill come flat."""
-
-    token_ids: Int[np.ndarray, "steps rows"]
-    logprobs: Float[np.ndarray, "steps rows"]  # of the sampled token, in each sequence's mode
-    top_ids: Int[np.ndarray, "steps rows K"]
-    top_logprobs: Float[np.ndarray, "steps rows K"]
-    token_logprobs: Float[np.ndarray, "T"] | None = None  # raw logprob of target_ids[t] after token t
-    token_top_ids: Int[np.ndarray, "T K"] | None = None
-    token_top_logprobs: Float[np.ndarray, "T K"] | None = None
-    draft_ids: Int[np.ndarray, "steps S k"] | None = None  # drafts made on the device (`StepBatch.draft_slots`)
-    verified: bool = True  # False: the head was unsure and the step decoded plainly (drafts all -1)
-
-    @property
-    def steps(self) -> int:
-        return self.token_ids.shape[0]
-
-
-@dataclasses.dataclass(frozen=True)
-class PendingStep:
-    """A launched step: its device outputs (not yet fetched) and how they become a `StepResult`."""
-
-    outputs: tuple[SamplerOutput | Array | None, ...]
-    finish: Callable[[tuple[SamplerOutput | np.ndarray | None, ...]], StepResult]
-    rows: np.ndarray | None = None  # multi-step decode: each sequence's flat row in the outputs (`StepBatch.feed_rows`)
-    last_tokens: Array | None = None  # multi-step decode: each flat row's last sampled token, on the device
-
-
-def _sampled_rows(out: SamplerOutput, rows: np.ndarray, num_top: int) -> StepResult:
-    """The sampled rows of a one-step (host) output in the batch's order, `num_top` alternatives each."""
-    return StepResult(out.token_ids[None, rows], out.logprobs[None, rows], out.top_ids[None, rows, :num_top],
-                      out.top_logprobs[None, rows, :num_top])
 
 
 class ModelRunner:
@@ -171,8 +134,8 @@ class ModelRunner:
         num_top = self.max_logprobs if batch.num_top_logprobs > 0 else 0
         multi_step = batch.num_steps is not None
         if batch.kind == "verify" and batch.draft_slots is not None:  # the EAGLE-3 head drafts in the program
-            launch = self._launch_draft_verify_steps if multi_step else self._launch_draft_verify
-            return launch(batch, leaves, device_batch, layout.row_index, layout.seq_index, num_top)
+            launch = launch_draft_verify_steps if multi_step else launch_draft_verify
+            return launch(self, batch, leaves, device_batch, layout.row_index, layout.seq_index, num_top)
         if batch.kind == "decode" and multi_step:
             if (batch.feed_rows is None) != (after is None or after.last_tokens is None):
                 raise ValueError("feed_rows need the multi-step decode call they read from (`after`), and only then")
@@ -191,7 +154,7 @@ class ModelRunner:
 
         def finish(host: tuple[SamplerOutput, SamplerOutput | None]) -> StepResult:
             out, extra = host
-            result = _sampled_rows(out, layout.row_index, k)
+            result = sampled_rows(out, layout.row_index, k)
             if extra is not None:
                 result = dataclasses.replace(
                     result, token_logprobs=extra.logprobs[tokens], token_top_ids=extra.top_ids[tokens, :k],
@@ -221,56 +184,6 @@ class ModelRunner:
         return PendingStep((out,), lambda host: StepResult(
             host[0].token_ids[:, rows], host[0].logprobs[:, rows], host[0].top_ids[:, rows, :k],
             host[0].top_logprobs[:, rows, :k]), rows=rows, last_tokens=last)
-
-    def _launch_draft_verify(self, batch: StepBatch, leaves: tuple[list[Array], list[Array]],
-                             device_batch: DeviceBatch, rows: np.ndarray, seqs: np.ndarray, num_top: int
-                             ) -> PendingStep:
-        """A verification step whose drafts the EAGLE-3 head makes in the same program."""
-        num_drafts = self.buckets.verify_rows - 1
-        if self.drafter is None or num_drafts < 1 or batch.target_ids is not None:
-            raise ValueError("drafts made on the device need a draft head, verify buckets (k >= 1) and no "
-                             "prompt logprobs in the step")
-        if int(np.max(batch.draft_slots, initial=-1)) >= num_drafts:
-            raise ValueError(f"a token asks for draft {int(np.max(batch.draft_slots))}; the head drafts {num_drafts}")
-        plain_rows, floor = 0, 0.0
-        if self.draft_min_confidence > 0:
-            plain_rows = self.buckets.verify_plain_rows(device_batch.logits_indices.shape[1])
-            replicas = batch.replicas if batch.replicas is not None else np.zeros(len(batch.q_lens), np.int64)
-            if np.bincount(replicas).max() <= plain_rows:  # else this step always verifies
-                floor = self.draft_min_confidence
-        self.kv_caches, out, drafts, verified = self.drafter.verify(
-            leaves, self.kv_caches, device_batch, num_top=num_top, num_steps=num_drafts, plain_rows=plain_rows,
-            min_confidence=floor)
-        k = batch.num_top_logprobs
-        return PendingStep((out, drafts, verified), lambda host: dataclasses.replace(
-            _sampled_rows(host[0], rows, k), verified=bool(host[2]),
-            draft_ids=np.asarray(host[1]).reshape(-1, num_drafts)[None, seqs]))
-
-    def _launch_draft_verify_steps(self, batch: StepBatch, leaves: tuple[list[Array], list[Array]],
-                                   device_batch: DeviceBatch, rows: np.ndarray, seqs: np.ndarray, num_top: int
-                                   ) -> PendingStep:
-        """Multi-step verification (EAGLE-3, exact replay): up to `num_verify_steps` draft-verify steps."""
-        num_drafts = self.buckets.verify_rows - 1
-        if self.drafter is None or num_drafts < 1 or batch.draft_ids is not None or self.num_verify_steps < 2:
-            raise ValueError("multi-step verification needs a draft head, verify buckets (k >= 1), exact replay "
-                             "and num_verify_steps >= 2")
-        if np.any(batch.q_lens != num_drafts + 1):
-            raise ValueError(f"multi-step verification feeds every sequence {num_drafts} drafts; got q_lens "
-                             f"{batch.q_lens.tolist()}")
-        steps = self.num_verify_steps
-        if int(np.max(batch.num_steps, initial=1)) > steps:
-            raise ValueError(f"a sequence asks for {int(np.max(batch.num_steps))} steps; this runner runs at most {steps}")
-        self.kv_caches, out, drafts = self.drafter.verify_steps(leaves, self.kv_caches, device_batch, num_top=num_top,
-                                                                num_steps=num_drafts, max_iters=steps)
-        k, ran = batch.num_top_logprobs, int(np.max(batch.num_steps))  # later steps' buffers stay unwritten
-
-        def finish(host: tuple[SamplerOutput, Array]) -> StepResult:
-            out, drafts = host
-            return StepResult(out.token_ids[:ran, rows], out.logprobs[:ran, rows], out.top_ids[:ran, rows, :k],
-                              out.top_logprobs[:ran, rows, :k],
-                              draft_ids=np.asarray(drafts)[:ran].reshape(ran, -1, num_drafts)[:, seqs])
-
-        return PendingStep((out, drafts), finish)
 
     def _leaves(self) -> tuple[list[Array], list[Array]]:
         """Params and rest as the flat leaf lists the compiled programs take; taken per call (not

@@ -1,0 +1,50 @@
+"""What a device step gives back: `StepResult` (the sampled rows on the host, one `[steps, rows]` layout
+for every kind of step) and `PendingStep` (a launched step not yet collected)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from runner.sampler import SamplerOutput
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """What comes back to the host, one layout for every kind of step: `[steps, rows]`, where a row is
+    a sampled row of the plan (one per sequence, or one per verified token) and a step one device
+    iteration (one for a single step; a multi-step call's later steps past a sequence's count are
+    garbage the host never reads). Per-token logprobs of a prefill come flat."""
+
+    token_ids: Int[np.ndarray, "steps rows"]
+    logprobs: Float[np.ndarray, "steps rows"]  # of the sampled token, in each sequence's mode
+    top_ids: Int[np.ndarray, "steps rows K"]
+    top_logprobs: Float[np.ndarray, "steps rows K"]
+    token_logprobs: Float[np.ndarray, "T"] | None = None  # raw logprob of target_ids[t] after token t
+    token_top_ids: Int[np.ndarray, "T K"] | None = None
+    token_top_logprobs: Float[np.ndarray, "T K"] | None = None
+    draft_ids: Int[np.ndarray, "steps S k"] | None = None  # drafts made on the device (`StepBatch.draft_slots`)
+    verified: bool = True  # False: the head was unsure and the step decoded plainly (drafts all -1)
+
+    @property
+    def steps(self) -> int:
+        return self.token_ids.shape[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class PendingStep:
+    """A launched step: its device outputs (not yet fetched) and how they become a `StepResult`."""
+
+    outputs: tuple[SamplerOutput | Array | None, ...]
+    finish: Callable[[tuple[SamplerOutput | np.ndarray | None, ...]], StepResult]
+    rows: np.ndarray | None = None  # multi-step decode: each sequence's flat row in the outputs (`StepBatch.feed_rows`)
+    last_tokens: Array | None = None  # multi-step decode: each flat row's last sampled token, on the device
+
+
+def sampled_rows(out: SamplerOutput, rows: np.ndarray, num_top: int) -> StepResult:
+    """The sampled rows of a one-step (host) output in the batch's order, `num_top` alternatives each."""
+    return StepResult(out.token_ids[None, rows], out.logprobs[None, rows], out.top_ids[None, rows, :num_top],
+                      out.top_logprobs[None, rows, :num_top])
