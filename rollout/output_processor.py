@@ -9,6 +9,7 @@ import numpy as np
 
 from rollout.scheduler import ScheduledBatch, Scheduler
 from rollout.sequence import Sequence
+from rollout.step_builder import ending_ids
 from rollout.tokenizer import Tokenizer
 from runner.model_runner import StepResult
 
@@ -150,12 +151,7 @@ class OutputProcessor:
 
     def _ending_ids(self, seqs: list[Sequence]) -> np.ndarray:
         """[L, M] the ids that stop each sequence (EOS unless ignored, its stop ids), padded with -1."""
-        rows = []
-        for seq in seqs:
-            if seq.ending_ids is None:
-                eos = () if seq.params.ignore_eos else self.eos_ids_ordered
-                seq.ending_ids = tuple(dict.fromkeys([*eos, *seq.params.stop_token_ids]))
-            rows.append(seq.ending_ids)
+        rows = [ending_ids(seq, self.eos_ids_ordered) for seq in seqs]
         out = np.full((len(rows), max(1, max(map(len, rows)))), -1, np.int64)
         for i, ids in enumerate(rows):
             out[i, :len(ids)] = ids

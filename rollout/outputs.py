@@ -50,6 +50,13 @@ class CompletionLogprobs(collections.abc.Sequence):
         return f"CompletionLogprobs({list(self)!r})"
 
 
+def logprob_values(logprobs: "CompletionLogprobs | list[TokenLogprob] | None") -> list[float] | None:
+    """The sampled tokens' logprobs of a completion, without building a `TokenLogprob` per token."""
+    if logprobs is None:
+        return None
+    return logprobs.values if isinstance(logprobs, CompletionLogprobs) else [t.logprob for t in logprobs]
+
+
 @dataclasses.dataclass
 class CompletionOutput:
     """One of the n samples of a prompt."""

@@ -7,7 +7,7 @@ import dataclasses
 
 import numpy as np
 
-from rollout.outputs import CompletionLogprobs, RequestOutput, RolloutBatch, TokenLogprob
+from rollout.outputs import RequestOutput, RolloutBatch, logprob_values
 from rollout.trajectory import Trajectory
 
 
@@ -27,16 +27,10 @@ class _Row:
 def build_rollout_batch(outputs: list[RequestOutput], *, pad_id: int, policy_version: int | None) -> RolloutBatch:
     """One row per completion, prompt-major; completions without logprobs get zeros there."""
     rows = [_Row(g, out.prompt_token_ids, c.token_ids, [True] * len(c.token_ids),
-                 _logprob_values(c.logprobs), c.policy_versions,
+                 logprob_values(c.logprobs), c.policy_versions,
                  c.finish_reason or "")
             for g, out in enumerate(outputs) for c in out.outputs]
     return _pack(rows, pad_id, policy_version)
-
-
-def _logprob_values(logprobs: CompletionLogprobs | list[TokenLogprob] | None) -> list[float] | None:
-    if logprobs is None:
-        return None
-    return logprobs.values if isinstance(logprobs, CompletionLogprobs) else [t.logprob for t in logprobs]
 
 
 def build_trajectory_batch(trajectories: list[Trajectory], *, pad_id: int, policy_version: int | None = None,

@@ -12,17 +12,19 @@ from runner.model_runner import MAX_SUPPRESS, StepBatch
 from runner.sampling_rows import SamplingRows
 
 
-def ending_ids(seq: Sequence, eos_token_ids: tuple[int, ...]) -> list[int]:
+def ending_ids(seq: Sequence, eos_token_ids: tuple[int, ...]) -> tuple[int, ...]:
     """EOS (unless the sequence ignores it: then it is an ordinary token, never masked, as in vLLM) and the
-    sequence's stop ids, without repeats."""
-    eos = () if seq.params.ignore_eos else eos_token_ids
-    return list(dict.fromkeys([*eos, *seq.params.stop_token_ids]))
+    sequence's stop ids, without repeats; built once per sequence (`Sequence.ending_ids`)."""
+    if seq.ending_ids is None:
+        eos = () if seq.params.ignore_eos else eos_token_ids
+        seq.ending_ids = tuple(dict.fromkeys([*eos, *seq.params.stop_token_ids]))
+    return seq.ending_ids
 
 
-def suppressed_ids(seq: Sequence, eos_token_ids: tuple[int, ...]) -> list[int]:
+def suppressed_ids(seq: Sequence, eos_token_ids: tuple[int, ...]) -> tuple[int, ...]:
     """Ids a sequence may not sample yet: EOS (unless ignored) and its stop ids until `min_tokens` are out."""
     if seq.num_output_tokens >= seq.params.min_tokens:
-        return []
+        return ()
     return ending_ids(seq, eos_token_ids)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from rollout.outputs import CompletionLogprobs, CompletionOutput
+from rollout.outputs import CompletionOutput, logprob_values
 
 
 @dataclasses.dataclass
@@ -41,9 +41,8 @@ class Trajectory:
         n = len(completion.token_ids)
         self.completion_ids += completion.token_ids
         self.sampled_mask += [True] * n
-        lps = completion.logprobs
-        self.logprobs += ([0.0] * n if lps is None else lps.values if isinstance(lps, CompletionLogprobs)
-                          else [t.logprob for t in lps])
+        values = logprob_values(completion.logprobs)
+        self.logprobs += [0.0] * n if values is None else values
         versions = list(completion.policy_versions)
         self.policy_versions += versions + [completion.policy_version] * (n - len(versions))
         self.finish_reason = completion.finish_reason
