@@ -74,7 +74,7 @@ def write_gguf(path: Path, hf: dict[str, Any], tensors: dict[str, np.ndarray], *
     """
     import gguf
 
-    from runner.models.checkpoint import GGUF_GLOBAL_TENSORS, GGUF_LAYER_TENSORS, llama_permute
+    from runner.models.gguf_checkpoint import GGUF_GLOBAL_TENSORS, GGUF_LAYER_TENSORS, llama_permute
 
     arch = hf["model_type"]
     to_gguf = {v: k for k, v in GGUF_GLOBAL_TENSORS.items()}

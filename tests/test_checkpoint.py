@@ -16,12 +16,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from runner.models.checkpoint import (
+from runner.models.checkpoint import read_checkpoint
+from runner.models.gguf_checkpoint import (
     GGUF_GLOBAL_TENSORS,
     GGUF_LAYER_TENSORS,
     llama3_rope_factors,
     llama_permute,
-    read_checkpoint,
     reverse_llama_permute,
 )
 from runner.models.torch_checkpoint import read_torch_state_dict
