@@ -56,8 +56,14 @@ def paged_attention(
     md: AttentionMetadata,
     *,
     sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> Float[Array, "T Hq D"]:
     """The engine's one attention boundary: `md.impl` picks the kernel.
+
+    A layer with a `sliding_window` (keys more than that many positions back are not attended) or a
+    score `soft_cap` (`cap * tanh(s / cap)`, Gemma) runs the pure-JAX version on every impl, and a
+    windowed layer without the cascade (its shared prefix may lie outside the window).
 
     "jax" is the pure-JAX `ragged_paged_attention` (every step, every backend). "cpu_kernel" (the CPU
     backend's) sends steps of at most `runner.backends.cpu.attention.MAX_Q_LEN` queries per sequence or prefill piece with float32
@@ -69,6 +75,11 @@ def paged_attention(
     """
     if md.impl not in ATTENTION_IMPLS:
         raise ValueError(f"unknown attention impl {md.impl!r}; choose one of {ATTENTION_IMPLS}")
+    if sliding_window is not None or soft_cap is not None:
+        return ragged_paged_attention(
+            queries, kv_pages, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs, sm_scale=sm_scale,
+            max_q_len=md.max_q_len, num_common_pages=md.num_common_pages if sliding_window is None else None,
+            trim_rows=md.trim_rows, sliding_window=sliding_window, soft_cap=soft_cap)
     if md.impl == "cpu_kernel":  # the CPU backend's C++ kernel (imported only by engines that chose it)
         from runner.backends.cpu.attention import MAX_HEAD_DIM, MAX_Q_LEN, cpu_paged_attention
 
@@ -173,8 +184,14 @@ def ragged_paged_attention(
     pages_per_chunk: int = 2,
     num_common_pages: Int[Array, "1"] | None = None,
     trim_rows: bool = False,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> Float[Array, "T Hq D"]:
     """Causal attention of packed queries over each sequence's paged context (pure JAX reference).
+
+    `sliding_window`: a query at position p attends keys at positions > p - window only, and the walk
+    starts at the first chunk any row's window reaches. `soft_cap`: scores (after `sm_scale`) become
+    `cap * tanh(s / cap)` before the softmax.
 
     Walks the context `pages_per_chunk` pages at a time (`lax.while_loop`, online softmax) up to the
     longest real context in the step, so the cost follows the live context, not the padded width of
@@ -208,7 +225,10 @@ def ragged_paged_attention(
     q = (q.astype(jnp.float32) * sm_scale).astype(queries.dtype).reshape(num_kv_heads, num_rows, rows, head_dim)
     q_pos = jnp.tile((kv_lens - q_lens)[:, None] + q_offsets[None, :], (1, group))  # [S, rows] absolute position
     common = _CommonPages(page_indices[0], num_common_pages[0]) if num_common_pages is not None else None
-    attend = functools.partial(_attend_rows, kv_pages=kv_pages, common=common, pages_per_chunk=pages_per_chunk)
+    if common is not None and sliding_window is not None:
+        raise ValueError("the cascade (num_common_pages) cannot be combined with a sliding window")
+    attend = functools.partial(_attend_rows, kv_pages=kv_pages, common=common, pages_per_chunk=pages_per_chunk,
+                               sliding_window=sliding_window, soft_cap=soft_cap)
 
     if rows > MULTIPLY_REDUCE_MAX_ROWS and num_rows > PIECES_PER_GROUP:  # prefill pieces (not decode / verification)
         size = PIECES_PER_GROUP
@@ -269,9 +289,12 @@ def _attend_rows(
     kv_pages: Float[Array, "2 Hkv P page D"],
     common: _CommonPages | None,
     pages_per_chunk: int,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> Float[Array, "Hkv S R D"]:
     """Normalised attention output of rows `q` (positions `q_pos`) over their paged contexts; rows
-    without context give zeros. The walk ends at the longest of these rows' contexts."""
+    without context give zeros. The walk ends at the longest of these rows' contexts (and, with a
+    window, starts at the first chunk the earliest row's window reaches)."""
     num_kv_heads, num_rows, rows, head_dim = q.shape
     pages_per_seq = page_indices.shape[1]
     page_size = kv_pages.shape[3]
@@ -298,8 +321,11 @@ def _attend_rows(
             s = jnp.sum(q[:, :, :, None, :].astype(jnp.float32) * k[:, :, None, :, :], axis=-1)
         else:
             s = jnp.einsum("hsrd,hskd->hsrk", q, k, preferred_element_type=jnp.float32)
+        s = _soft_capped(s, soft_cap)
         k_pos = c * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32)
         mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < kv_lens[:, None, None])
+        if sliding_window is not None:
+            mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
         m_new, alpha, p, l = _online_softmax_step(m, l, s, mask[None])
         if multiply_reduce:
             pv = jnp.sum(p[..., None] * v[:, :, None, :, :].astype(jnp.float32), axis=-2)
@@ -312,8 +338,11 @@ def _attend_rows(
             jnp.zeros((*stats_shape, head_dim), jnp.float32))
     if common is not None:
         common_chunks = jnp.minimum(common.num_pages // chunk, num_chunks)  # whole chunks only
-        m, l, acc = _common_prefix_attention(q, kv_pages, common.table, common_chunks * chunk, kv_lens > 0)
+        m, l, acc = _common_prefix_attention(q, kv_pages, common.table, common_chunks * chunk, kv_lens > 0, soft_cap)
         init = (common_chunks, m, l, acc)
+    elif sliding_window is not None:  # no row attends a key before its first query's window
+        first_key = jnp.min(jnp.where(kv_lens > 0, q_pos[:, 0] - sliding_window + 1, jnp.iinfo(jnp.int32).max))
+        init = (jnp.clip(first_key // chunk_tokens, 0, num_chunks), *init[1:])
     # The trip count follows the longest real context of these rows, not the padded width.
     num_live = jnp.minimum(-(-jnp.max(kv_lens) // chunk_tokens), num_chunks)
     _, _, l, acc = jax.lax.while_loop(lambda carry: carry[0] < num_live, body, init)
@@ -347,6 +376,10 @@ def _take_pages(kv_pages: Float[Array, "2 Hkv P page D"], idx: Int[Array, "N"]
     return take(rows[0]), take(rows[1])
 
 
+def _soft_capped(scores: Array, soft_cap: float | None) -> Array:
+    return scores if soft_cap is None else soft_cap * jnp.tanh(scores / soft_cap)
+
+
 def _online_softmax_step(m: Array, l: Array, s: Array, mask: Array) -> tuple[Array, Array, Array, Array]:
     """One chunk of scores `s` (masked keys dropped) folded into the running max `m` and sum `l`:
     (new max, rescale factor of the old state, this chunk's unnormalised weights, new sum)."""
@@ -363,6 +396,7 @@ def _common_prefix_attention(
     pages: Int[Array, "W"],
     num_pages: Int[Array, ""],
     live_rows: Array,  # [S] bool: rows with a context (padding rows attend to nothing)
+    soft_cap: float | None = None,
 ) -> tuple[Float[Array, "Hkv S R"], Float[Array, "Hkv S R"], Float[Array, "Hkv S R D"]]:
     """Online-softmax state (max, sum, weighted V) of every query row over the first `num_pages` of `pages`.
 
@@ -383,7 +417,7 @@ def _common_prefix_attention(
         k, v = _take_pages(kv_pages, idx)
         k = k.reshape(num_kv_heads, chunk_tokens, head_dim)  # [Hkv, chunk_tokens, D] each
         v = v.reshape(num_kv_heads, chunk_tokens, head_dim)
-        s = jnp.einsum("hnd,hkd->hnk", flat_q, k, preferred_element_type=jnp.float32)
+        s = _soft_capped(jnp.einsum("hnd,hkd->hnk", flat_q, k, preferred_element_type=jnp.float32), soft_cap)
         k_pos = c * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32)
         mask = live[:, None] & (k_pos < num_pages * page_size)[None, :]
         m_new, alpha, p, l = _online_softmax_step(m, l, s, mask[None])
@@ -405,14 +439,20 @@ def causal_attention(
     *,
     sm_scale: float,
     attention_mask: Int[Array, "B S"] | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> Float[Array, "B S Hq D"]:
-    """Dense causal grouped-query attention over full sequences (the trainer's forward)."""
+    """Dense causal grouped-query attention over full sequences (the trainer's forward); with a
+    `sliding_window`, query i attends keys j > i - window only; `soft_cap` caps the scaled scores."""
     batch, seq, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     group = num_q_heads // num_kv_heads
     qg = q.reshape(batch, seq, num_kv_heads, group, head_dim)
     scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32) * sm_scale
+    scores = _soft_capped(scores, soft_cap)
     mask = jnp.tril(jnp.ones((seq, seq), dtype=bool))[None]
+    if sliding_window is not None:
+        mask = mask & ~jnp.tril(jnp.ones((seq, seq), dtype=bool), k=-sliding_window)[None]
     if attention_mask is not None:
         mask = mask & (attention_mask[:, None, :] > 0)
     scores = jnp.where(mask[:, None, None], scores, MASK_VALUE)

@@ -33,8 +33,10 @@ GPU_ONLY = pytest.mark.skipif(not ON_GPU, reason="the compiled Pallas GPU kernel
 
 
 def reference(queries: np.ndarray, kv: np.ndarray, q_lens: list[int], kv_lens: list[int],
-              tables: np.ndarray, sm_scale: float) -> np.ndarray:
-    """Causal GQA of each sequence's queries over its first kv_len cached tokens (float64 numpy)."""
+              tables: np.ndarray, sm_scale: float, window: int | None = None, soft_cap: float | None = None
+              ) -> np.ndarray:
+    """Causal GQA of each sequence's queries over its first kv_len cached tokens (float64 numpy); with a
+    `window`, position p sees keys p - window + 1 .. p only; `soft_cap` maps scores to cap * tanh(s / cap)."""
     num_kv_heads, head_dim = kv.shape[1], kv.shape[-1]
     group = queries.shape[1] // num_kv_heads
     out = np.zeros(queries.shape, np.float64)
@@ -46,10 +48,13 @@ def reference(queries: np.ndarray, kv: np.ndarray, q_lens: list[int], kv_lens: l
         ctx = kv[:, :, tables[s]].reshape(2, num_kv_heads, -1, head_dim)[:, :, :kv_len].astype(np.float64)
         for i in range(q_len):
             pos = kv_len - q_len + i
+            first = 0 if window is None else max(0, pos - window + 1)
             for h in range(num_kv_heads * group):
-                scores = ctx[0, h // group, :pos + 1] @ queries[start + i, h].astype(np.float64) * sm_scale
+                scores = ctx[0, h // group, first:pos + 1] @ queries[start + i, h].astype(np.float64) * sm_scale
+                if soft_cap is not None:
+                    scores = soft_cap * np.tanh(scores / soft_cap)
                 p = np.exp(scores - scores.max())
-                out[start + i, h] = (p / p.sum()) @ ctx[1, h // group, :pos + 1]
+                out[start + i, h] = (p / p.sum()) @ ctx[1, h // group, first:pos + 1]
         start += q_len
     return out
 
@@ -120,6 +125,33 @@ def test_prefill_pieces_in_groups_match_reference(common: int | None) -> None:
                                  sm_scale=D ** -0.5, max_q_len=max_q_len,
                                  num_common_pages=None if common is None else jnp.asarray([common], jnp.int32))
     np.testing.assert_allclose(np.asarray(got), reference(queries, kv, q_lens, kv_lens, tables, D ** -0.5), atol=2e-6)
+
+
+@pytest.mark.parametrize("window,soft_cap", [(3, None), (6, 2.0), (None, 1.5), (1, None)])
+@pytest.mark.parametrize("path", ["decode", "mixed", "groups", "trim"])
+def test_sliding_window_and_soft_cap_match_reference(window: int | None, soft_cap: float | None, path: str) -> None:
+    """Gemma's per-layer attention: keys past the window are not attended (including whole chunks the
+    walk skips), scores are soft-capped; on every path of the pure-JAX kernel and through
+    `paged_attention` whatever `impl` the engine picked."""
+    cases = {"decode": ([1, 1, 1, 1], [1, 5, 17, 24], 1), "mixed": ([7, 3, 1], [7, 12, 20], 8),
+             "groups": ([10, 10, 4, 1, 7, 10, 2, 3, 5, 10, 1, 6], [12, 10, 9, 5, 12, 11, 6, 12, 12, 12, 8, 11], 10),
+             "trim": ([5, 1, 3], [12, 9, 7], 8)}
+    q_lens, kv_lens, max_q_len = cases[path]
+    width = 3 if path in ("groups", "trim") else 6
+    queries, kv, tables = random_case(7, q_lens, kv_lens, width)
+    pad = 2 if path in ("groups", "trim") else 0
+    tables = np.concatenate([tables, np.zeros((pad, width), np.int32)])
+    cu = np.concatenate([[0], np.cumsum(q_lens), [sum(q_lens)] * pad]).astype(np.int32)
+    md = AttentionMetadata(slot_mapping=jnp.zeros(sum(q_lens), jnp.int32), kv_lens=jnp.asarray(kv_lens + [0] * pad, jnp.int32),
+                           page_indices=jnp.asarray(tables), cu_q_lens=jnp.asarray(cu),
+                           num_seqs=jnp.asarray([len(q_lens)], jnp.int32), max_q_len=max_q_len,
+                           trim_rows=path == "trim", impl="cpu_kernel")
+    want = reference(queries, kv, q_lens, kv_lens, tables, D ** -0.5, window, soft_cap)
+    got = paged_attention(jnp.asarray(queries), jnp.asarray(kv), md, sm_scale=D ** -0.5, sliding_window=window,
+                          soft_cap=soft_cap)
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-6)
+    if window is not None:  # the window changes the result: a test of it cannot pass without honouring it
+        assert np.abs(want - reference(queries, kv, q_lens, kv_lens, tables, D ** -0.5, None, soft_cap)).max() > 1e-3
 
 
 @pytest.mark.parametrize("num_real", [1, 2, 3, 8])

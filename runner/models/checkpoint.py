@@ -71,7 +71,7 @@ def read_checkpoint(path: str) -> Checkpoint:
 
 
 def expected_shapes(hf_config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Llama-family model of this config needs, with its PyTorch shape."""
+    """Every tensor a model of this config needs (any registered family), with its PyTorch shape."""
     cfg = ModelConfig.from_hf_dict(hf_config)
     h, i, v, d = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
@@ -102,6 +102,8 @@ def expected_shapes(hf_config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
             layer.update({"mlp.gate_proj.bias": (i,), "mlp.up_proj.bias": (i,), "mlp.down_proj.bias": (h,)})
         if cfg.qk_norm:
             layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
+        if cfg.sandwich_norms:
+            layer.update({"pre_feedforward_layernorm.weight": (h,), "post_feedforward_layernorm.weight": (h,)})
         out.update({p + k: s for k, s in layer.items()})
     return out
 

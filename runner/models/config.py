@@ -12,19 +12,41 @@ SUPPORTED_DTYPES = ("float32", "bfloat16")
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style frequency scaling (`rope_scaling.rope_type == "llama3"`)."""
+    """RoPE frequency scaling: Llama-3's (`rope_type="llama3"`) or linear (every frequency / `factor`)."""
 
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 1.0  # llama3 only
+    original_max_position_embeddings: int = 0  # llama3 only
+    rope_type: str = "llama3"  # "llama3" | "linear"
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ("llama3", "linear"):
+            raise ValueError(f"unsupported rope_scaling type {self.rope_type!r}; supported: llama3, linear")
+        if self.factor <= 0:
+            raise ValueError(f"rope_scaling.factor must be positive, got {self.factor}")
+
+    @classmethod
+    def from_hf(cls, scaling: Mapping[str, object] | None) -> "RopeScaling | None":
+        """From a HF `rope_scaling` / `rope_parameters` dict; None for no (default) scaling."""
+        kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type")
+        if kind in (None, "default"):
+            return None
+        if kind == "linear":
+            return cls(factor=float(scaling["factor"]), rope_type="linear")
+        if kind == "llama3":
+            return cls(factor=float(scaling["factor"]), low_freq_factor=float(scaling["low_freq_factor"]),
+                       high_freq_factor=float(scaling["high_freq_factor"]),
+                       original_max_position_embeddings=int(scaling["original_max_position_embeddings"]))
+        raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: llama3, linear")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Hyper-parameters of one Llama-family decoder (Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3)."""
+    """Hyper-parameters of one decoder of a registered family (Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3,
+    Qwen3-MoE, Gemma 2, Gemma 3)."""
 
-    family: str  # a key of `runner.models.registry.FAMILIES`: "llama" | "qwen2" | "qwen3" | "qwen3_moe"
+    family: str  # a key of `runner.models.registry.FAMILIES`: "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "gemma2" | "gemma3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -53,6 +75,18 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     moe_layers: tuple[int, ...] = ()
+    # Gemma 2/3: `sliding_layers` attend to at most the `sliding_window` most recent positions (and
+    # rotate with base `rope_local_theta`, unscaled, when set: Gemma 3); scores and final logits are
+    # soft-capped (`cap * tanh(x / cap)`) when the caps are set; the attention scale is
+    # `query_pre_attn_scalar ** -0.5` when set; `sandwich_norms`: every layer also normalises its
+    # attention output and its MLP input and output.
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+    rope_local_theta: float | None = None
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    query_pre_attn_scalar: float | None = None
+    sandwich_norms: bool = False
     # Set when the heads above are padded / replicated for a tensor-parallel mesh: maps them to the
     # checkpoint's (trainer's) heads, whose layout `sync_weights` accepts (`runner.models.head_layout`).
     head_layout: HeadLayout | None = None
@@ -74,6 +108,11 @@ class ModelConfig:
         if self.moe_layers and not (0 < self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size > 0):
             raise ValueError(f"a mixture of experts needs 0 < num_experts_per_tok ({self.num_experts_per_tok}) <= "
                              f"num_experts ({self.num_experts}) and moe_intermediate_size > 0")
+        if self.sliding_layers and not (self.sliding_window or 0) > 0:
+            raise ValueError(f"sliding_layers {self.sliding_layers} need a positive sliding_window, got {self.sliding_window}")
+        for name in ("attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar", "rope_local_theta"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"config.{name} must be positive or None, got {getattr(self, name)}")
         for name in ("param_dtype", "dtype"):
             if getattr(self, name) not in SUPPORTED_DTYPES:
                 raise ValueError(f"{name} must be one of {SUPPORTED_DTYPES}, got {getattr(self, name)!r}")
@@ -104,21 +143,10 @@ class ModelConfig:
         head_dim = int(hf.get("head_dim") or hidden // n_heads)
         rope_params = hf.get("rope_parameters") or {}
         rope_theta = float(hf.get("rope_theta") or rope_params.get("rope_theta") or 10000.0)
-        scaling = hf.get("rope_scaling") or (rope_params if rope_params.get("rope_type") not in (None, "default") else None)
-        rope_scaling = None
-        if scaling:
-            kind = scaling.get("rope_type") or scaling.get("type")
-            if kind == "llama3":
-                rope_scaling = RopeScaling(
-                    factor=float(scaling["factor"]),
-                    low_freq_factor=float(scaling["low_freq_factor"]),
-                    high_freq_factor=float(scaling["high_freq_factor"]),
-                    original_max_position_embeddings=int(scaling["original_max_position_embeddings"]))
-            elif kind not in (None, "default"):
-                raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: llama3")
+        rope_scaling = RopeScaling.from_hf(hf.get("rope_scaling") or rope_params)
         eos = hf.get("eos_token_id")
         eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
-        return cls(
+        fields: dict[str, object] = dict(
             family=family.name,
             vocab_size=vocab,
             hidden_size=hidden,
@@ -137,5 +165,6 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             param_dtype=dtype,
             dtype=dtype,
-            **family.config_fields(hf),  # qkv_bias, o_bias, qk_norm, ...
         )
+        fields.update(family.config_fields(hf))  # qkv_bias, o_bias, qk_norm, ...; may override the above
+        return cls(**fields)

@@ -95,8 +95,10 @@ def read_gguf(path: str) -> Checkpoint:
             raise ValueError(f"{path}: GGUF file is truncated (tensor {t.name!r} extends past end of file)")
 
     arch = _field(reader, "general.architecture")
-    if arch not in FAMILIES:
-        raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(FAMILIES)}")
+    gguf_families = [name for name, f in FAMILIES.items() if any(e.gguf for e in f.names)]
+    if arch not in gguf_families:
+        raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(gguf_families)} "
+                         f"(other families load from a Hugging Face safetensors directory)")
     family = FAMILIES[arch]
     hf_arch, model_type = family.architectures[0], family.name
     global_tensors, layer_tensors = gguf_tables(family)

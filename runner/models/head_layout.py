@@ -143,14 +143,14 @@ def expand(x: Shaped[Array, "..."] | Shaped[np.ndarray, "..."], expansion: Expan
 def with_head_layout(model: LlamaForCausalLM, model_axis: int) -> LlamaForCausalLM:
     """`model` itself when the mesh's `model` axis divides its heads, else an equivalent model whose
     heads are padded / replicated for it (new arrays; `model` is untouched)."""
-    from runner.models.llama import LlamaForCausalLM
-
     cfg = model.config
     stored = stored_config(cfg, model_axis)
     if stored is cfg:
         return model
     step = HeadLayout.for_axis(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, model_axis)
-    graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: LlamaForCausalLM(stored, rngs=nnx.Rngs(0))),
+    from runner.models.registry import build_model
+
+    graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: build_model(stored, rngs=nnx.Rngs(0))),
                                        nnx.Param, ...)
     _, source_params, source_rest = nnx.split(model, nnx.Param, ...)
     source = {".".join(map(str, k)): v.value for k, v in nnx.to_flat_state(source_params)}

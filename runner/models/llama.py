@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3) as one Flax NNX model.
+"""The Llama-family decoder (Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3, Qwen3-MoE) as one Flax NNX model, and
+the building blocks other families (`runner.models.gemma`) reuse.
 
 The same layers serve the trainer's full-sequence forward (`model(input_ids, positions)`) and the
 engine's paged step (`model.forward_paged(...)`), so both compute the same numbers.
@@ -59,13 +60,18 @@ class RMSNorm(nnx.Module):
         return self.scale[...].astype(x.dtype) * h.astype(x.dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Rotary inverse frequencies `[head_dim / 2]` (float32), with llama3 scaling when configured."""
+def rope_inv_freq(cfg: ModelConfig, layer: int | None = None) -> np.ndarray:
+    """Rotary inverse frequencies `[head_dim / 2]` (float32) of `layer`, with the configured scaling;
+    a sliding layer of a model with `rope_local_theta` (Gemma 3) uses that base, unscaled."""
     dim = cfg.head_dim
-    inv_freq = 1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))
+    local = cfg.rope_local_theta is not None and layer in cfg.sliding_layers
+    theta = cfg.rope_local_theta if local else cfg.rope_theta
+    inv_freq = 1.0 / (np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))
     inv_freq = inv_freq.astype(np.float32)
-    s = cfg.rope_scaling
-    if s is not None:
+    s = None if local else cfg.rope_scaling
+    if s is not None and s.rope_type == "linear":
+        inv_freq = (inv_freq / np.float32(s.factor)).astype(np.float32)
+    elif s is not None:
         low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
         high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
         wavelen = 2 * math.pi / inv_freq
@@ -90,21 +96,23 @@ def apply_rope(x: Float[Array, "... H D"], positions: Int[Array, "..."], inv_fre
 
 
 class Attention(nnx.Module):
-    """Grouped-query self-attention with optional QKV bias (Qwen2) and per-head Q/K norm (Qwen3)."""
+    """Grouped-query self-attention with optional QKV bias (Qwen2), per-head Q/K norm (Qwen3, Gemma 3),
+    and the layer's sliding window and score soft-cap (`AttentionSpec`, Gemma)."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, spec: AttentionSpec):
-        if spec.sliding_window is not None or spec.logit_soft_cap is not None:
-            raise ValueError("this attention has no sliding window or logit soft-cap yet")
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, spec: AttentionSpec, layer: int = 0,
+                 norm: type[nnx.Module] | None = None):
         h, d = cfg.hidden_size, cfg.head_dim
+        norm = norm or RMSNorm
         self.scale = spec.scale
+        self.sliding_window, self.soft_cap = spec.sliding_window, spec.logit_soft_cap
         self.q_proj = Linear(h, cfg.num_attention_heads * d, bias=cfg.qkv_bias, cfg=cfg, rngs=rngs)
         self.k_proj = Linear(h, cfg.num_key_value_heads * d, bias=cfg.qkv_bias, cfg=cfg, rngs=rngs)
         self.v_proj = Linear(h, cfg.num_key_value_heads * d, bias=cfg.qkv_bias, cfg=cfg, rngs=rngs)
         self.o_proj = Linear(cfg.num_attention_heads * d, h, bias=cfg.o_bias, cfg=cfg, rngs=rngs)
-        self.q_norm = RMSNorm(d, eps=cfg.rms_norm_eps, cfg=cfg) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(d, eps=cfg.rms_norm_eps, cfg=cfg) if cfg.qk_norm else None
+        self.q_norm = norm(d, eps=cfg.rms_norm_eps, cfg=cfg) if cfg.qk_norm else None
+        self.k_norm = norm(d, eps=cfg.rms_norm_eps, cfg=cfg) if cfg.qk_norm else None
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
-        self.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(cfg)))  # not a Param: never trained or synced
+        self.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(cfg, layer)))  # not a Param: never trained or synced
 
     def qkv(self, x: Float[Array, "... H"], positions: Int[Array, "..."]
             ) -> tuple[Float[Array, "... Hq D"], Float[Array, "... Hkv D"], Float[Array, "... Hkv D"]]:
@@ -120,14 +128,16 @@ class Attention(nnx.Module):
     def __call__(self, x: Float[Array, "B S H"], positions: Int[Array, "B S"],
                  attention_mask: Int[Array, "B S"] | None) -> Float[Array, "B S H"]:
         q, k, v = self.qkv(x, positions)
-        o = causal_attention(q, k, v, sm_scale=self.scale, attention_mask=attention_mask)
+        o = causal_attention(q, k, v, sm_scale=self.scale, attention_mask=attention_mask,
+                             sliding_window=self.sliding_window, soft_cap=self.soft_cap)
         return self.o_proj(o.reshape(*x.shape[:-1], -1))
 
     def paged(self, x: Float[Array, "T H"], positions: Int[Array, "T"], kv_pages: Float[Array, "2 Hkv P page D"],
               md: AttentionMetadata) -> tuple[Float[Array, "T H"], Float[Array, "2 Hkv P page D"]]:
         q, k, v = self.qkv(x, positions)
         kv_pages = write_kv(kv_pages, k, v, md.slot_mapping)
-        o = paged_attention(q, kv_pages, md, sm_scale=self.scale)
+        o = paged_attention(q, kv_pages, md, sm_scale=self.scale, sliding_window=self.sliding_window,
+                            soft_cap=self.soft_cap)
         return self.o_proj(o.reshape(x.shape[0], -1)), kv_pages
 
 
@@ -149,7 +159,7 @@ class DecoderLayer(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, spec: AttentionSpec, layer: int = 0):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, cfg=cfg)
-        self.self_attn = Attention(cfg, rngs, spec)
+        self.self_attn = Attention(cfg, rngs, spec, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, cfg=cfg)
         self.mlp = SparseMoE(cfg, rngs) if layer in cfg.moe_layers else MLP(cfg, rngs)
 
@@ -166,7 +176,11 @@ class DecoderLayer(nnx.Module):
 
 
 class LlamaForCausalLM(nnx.Module):
-    """Decoder-only causal LM; `model(input_ids, positions)` is the trainer's forward."""
+    """Decoder-only causal LM; `model(input_ids, positions)` is the trainer's forward. Other families
+    subclass it with their own layer and norm classes (`runner.models.gemma`)."""
+
+    layer_class: type[nnx.Module] = DecoderLayer
+    norm_class: type[nnx.Module] = RMSNorm
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.config = cfg
@@ -175,8 +189,8 @@ class LlamaForCausalLM(nnx.Module):
         from runner.models.registry import get_family  # the registry imports this module
 
         spec = get_family(cfg.family).attention_spec
-        self.layers = nnx.List([DecoderLayer(cfg, rngs, spec(cfg, i), i) for i in range(cfg.num_hidden_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, cfg=cfg)
+        self.layers = nnx.List([self.layer_class(cfg, rngs, spec(cfg, i), i) for i in range(cfg.num_hidden_layers)])
+        self.norm = self.norm_class(cfg.hidden_size, eps=cfg.rms_norm_eps, cfg=cfg)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
             cfg.hidden_size, cfg.vocab_size, bias=False, cfg=cfg, rngs=rngs)
         self.head_matmul: Matmul = XLA_MATMUL_NT  # the tied output projection's (`Backend.prepare`)

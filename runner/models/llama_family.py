@@ -93,16 +93,24 @@ def _attention_spec(cfg: ModelConfig, layer: int) -> AttentionSpec:
     return AttentionSpec(scale=cfg.head_dim ** -0.5)
 
 
-def _buffers(cfg: ModelConfig, rest: nnx.State) -> nnx.State:
-    inv_freq = jnp.asarray(rope_inv_freq(cfg))  # the only non-parameter state: rotary tables
-    return jax.tree.map(lambda _: inv_freq, rest)
+def layer_inv_freq_buffers(cfg: ModelConfig, rest: nnx.State) -> nnx.State:
+    """The non-parameter state of a model: each layer's rotary table (`layers.<i>.self_attn.inv_freq`)."""
+    tables: dict[int, jax.Array] = {}
+
+    def table(path: tuple, _: object) -> jax.Array:
+        keys = [getattr(k, "key", getattr(k, "idx", k)) for k in path]
+        layer = int(keys[keys.index("layers") + 1]) if "layers" in keys else None
+        if layer not in tables:
+            tables[layer] = jnp.asarray(rope_inv_freq(cfg, layer))
+        return tables[layer]
+    return jax.tree_util.tree_map_with_path(table, rest)
 
 
 def _family(name: str, arch: str, fields: object, gguf_permuted: Mapping[str, str] | None = None,
             names: tuple[NameEntry, ...] = LLAMA_NAMES) -> ModelFamily:
     return ModelFamily(name=name, architectures=(arch,), module=LlamaForCausalLM, names=names,
                        sharding_rules=LLAMA_SHARDING, config_fields=fields, attention_spec=_attention_spec,
-                       buffers=_buffers, ignored_hf=ROTARY_BUFFERS, gguf_permuted=gguf_permuted or {})
+                       buffers=layer_inv_freq_buffers, ignored_hf=ROTARY_BUFFERS, gguf_permuted=gguf_permuted or {})
 
 
 LLAMA = _family("llama", "LlamaForCausalLM", _llama_fields, LLAMA_GGUF_PERMUTED)
