@@ -154,10 +154,11 @@ def measure_matmul_flops(shapes: Sequence[tuple[int, int, int]] = ((64, 576, 153
     return out
 
 
-def roofline_tokens_per_s(batch: int, bandwidth: float, flops: float, weight_bytes: float = WEIGHT_BYTES_PER_STEP) -> float:
+def roofline_tokens_per_s(batch: int, bandwidth: float, flops: float, weight_bytes: float = WEIGHT_BYTES_PER_STEP,
+                          flops_per_token: float = FLOPS_PER_TOKEN) -> float:
     """Upper bound on decode tokens/s at batch size `batch`: min(memory bound, compute bound);
     `weight_bytes` read per step (half of the float32 figure in bfloat16)."""
-    return min(bandwidth / weight_bytes * batch, flops / FLOPS_PER_TOKEN)
+    return min(bandwidth / weight_bytes * batch, flops / flops_per_token)
 
 
 def accelerator_peak_bytes() -> int | None:

@@ -31,7 +31,9 @@ table adds the peak device memory of each side; `--dtype bfloat16` runs both sid
 Run: `python examples/bench_rollout.py` (full; slow on a small CPU), `--quick` to smoke-test,
 `--no-baseline` to skip transformers, `--workloads R1`, `--batch-sizes 1,8`, `--repeats 5`,
 `--json-out out.json`, `--top-p 0.95` / `--top-k 50` (nucleus / top-k sampling in every sampling run,
-both sides). Ends with
+both sides), `--model-config qwen3-0.6b | gemma-3-1b | moe-8x2` (instead of SmolLM2: a randomly
+initialised model of that family's real shapes, the same weights on both sides: examples/model_configs.py;
+the prompts keep SmolLM2's token ids), `--new-tokens N` (R1's new tokens per sequence). Ends with
 one JSON line holding every figure.
 """
 
@@ -109,8 +111,13 @@ def run_ours(args: argparse.Namespace, runs: list[dict[str, Any]], tok: Any, max
 
     rss0 = bc.current_rss_bytes()
     t0 = time.perf_counter()
-    engine = Engine.from_pretrained(None, dtype=args.dtype, max_num_seqs=64, max_model_len=max_model_len,
-                                    max_num_batched_tokens=args.max_num_batched_tokens)
+    kw = dict(max_num_seqs=64, max_model_len=max_model_len, max_num_batched_tokens=args.max_num_batched_tokens)
+    if args.model_dir is None:
+        engine = Engine.from_pretrained(None, dtype=args.dtype, **kw)
+    else:  # the random model of --model-config, with SmolLM2's tokenizer (prompts are token ids)
+        from runner.models.loader import load_model
+
+        engine = Engine.from_model(load_model(str(args.model_dir), dtype=args.dtype)[0], tok, **kw)
     load_s = time.perf_counter() - t0
     rss_loaded = bc.current_rss_bytes()
     print(f"engine loaded in {load_s:.1f}s: max_num_seqs=64 max_model_len={max_model_len} "
@@ -194,11 +201,14 @@ def run_hf(args: argparse.Namespace, runs: list[dict[str, Any]], pad_id: int) ->
     device = "cuda" if args.platform == "gpu" else "cpu"
     print(f"torch {torch.__version__} on {device}: num_threads={settings['torch_num_threads']} "
           f"interop_threads={settings['torch_num_interop_threads']} (defaults)", flush=True)
-    gguf = default_model_path()
     rss0 = bc.current_rss_bytes()
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf),
-                                                 dtype=getattr(torch, args.dtype)).to(device)
+    if args.model_dir is None:
+        gguf = default_model_path()
+        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf),
+                                                     dtype=getattr(torch, args.dtype)).to(device)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(args.model_dir), dtype=getattr(torch, args.dtype)).to(device)
     model.eval()
     load_s = time.perf_counter() - t0
     rss_loaded = bc.current_rss_bytes()
@@ -280,6 +290,9 @@ def parse_args() -> argparse.Namespace:
                     help="top_k of every sampling run, both sides (the workloads say off; 50 shows the filter's cost)")
     ap.add_argument("--no-r2-nocache", action="store_true", help="skip R2's 'distinct, no prefix cache' reference row")
     ap.add_argument("--json-out", default=None, help="also write the final JSON line to this file")
+    ap.add_argument("--model-config", default=None,
+                    help="a random model of a real family's shapes instead of SmolLM2 (examples/model_configs.py)")
+    ap.add_argument("--new-tokens", type=int, default=None, help="R1's new tokens per sequence (default 128)")
     ap.add_argument("--mesh", default=None, metavar="SIZES",
                     help="instead: R1 greedy at the largest --batch-sizes on meshes: 'd' = tensor parallel (1, d), "
                          "'DxM' = (data D, model M); e.g. 1,2,4 or 1x1,1x2,2x1 (fake CPU devices here, real chips "
@@ -290,7 +303,7 @@ def parse_args() -> argparse.Namespace:
     args.batch_sizes = [int(b) for b in (args.batch_sizes or ("1,8" if q else "1,8,32,64")).split(",") if b.strip()]
     if not args.batch_sizes or max(args.batch_sizes) > 64 or min(args.batch_sizes) < 1:
         ap.error("--batch-sizes must be in 1..64 (the engine is built with max_num_seqs=64)")
-    args.r1_tokens = 16 if q else 128
+    args.r1_tokens = args.new_tokens or (16 if q else 128)
     args.r2_tokens = 16 if q else 64
     args.r2_prompts, args.r2_n = (2, 4) if q else (8, 8)
     return args
@@ -358,6 +371,24 @@ def main() -> None:
           + ", ".join(f"{k.split('_')[1]} {v / 1e9:.1f}" for k, v in fl.items() if k.startswith("matmul_"))
           + f") in {args.dtype}; measured in {time.perf_counter() - t0:.1f}s", flush=True)
 
+    args.model_dir, weight_bytes, flops_per_token = None, bc.WEIGHT_BYTES_PER_STEP, bc.FLOPS_PER_TOKEN
+    if args.model_config:
+        import json
+
+        from model_configs import active_params, materialize
+
+        args.model_dir = materialize(args.model_config)
+        hf_cfg = json.loads((args.model_dir / "config.json").read_text())
+        from safetensors import safe_open
+
+        total = 0
+        for f in args.model_dir.glob("*.safetensors"):
+            with safe_open(str(f), "np") as sf:
+                total += sum(int(np.prod(sf.get_slice(k).get_shape())) for k in sf.keys())
+        active = active_params(hf_cfg, total)
+        weight_bytes, flops_per_token = 4.0 * active, 2.0 * active
+        print(f"model: {args.model_config} (random weights, real shapes) in {args.model_dir}: {total / 1e6:.0f}M "
+              f"parameters, {active / 1e6:.0f}M read per decode step", flush=True)
     tok = load_tokenizer(None)
     runs = build_runs(args, tok)
     if not runs:
@@ -371,10 +402,10 @@ def main() -> None:
 
     # ---- table
     rows = []
-    weight_bytes = bc.WEIGHT_BYTES_PER_STEP / (2 if args.dtype == "bfloat16" else 1)  # read once per decode step
+    weight_bytes /= 2 if args.dtype == "bfloat16" else 1  # read once per decode step
     for r in runs:
         o, h = r["ours"], r.get("hf")
-        bound = bc.roofline_tokens_per_s(r["seqs"], machine["bandwidth"], machine["flops"], weight_bytes)
+        bound = bc.roofline_tokens_per_s(r["seqs"], machine["bandwidth"], machine["flops"], weight_bytes, flops_per_token)
         r["roofline_tok_s"] = bound
         r["roofline_fraction"] = o["tok_s"] / bound
         r["ratio_vs_hf"] = o["tok_s"] / h["tok_s"] if h else None
@@ -418,10 +449,11 @@ def main() -> None:
         hf_peak = hf_info["device_peak_bytes"] if hf_info else None
         print(f"peak device memory: ours {bc.mib(ours_info['device_peak_bytes'])} (JAX, KV cache included)"
               + (f", HF {bc.mib(hf_peak)} (torch.cuda.max_memory_allocated)" if hf_peak is not None else ""))
-    print(f"roofline: min(bandwidth / {weight_bytes / 1e9:.2f} GB x seqs, FLOP/s / 0.27 GFLOP) tokens/s; prefill FLOPs are not in it")
+    print(f"roofline: min(bandwidth / {weight_bytes / 1e9:.2f} GB x seqs, FLOP/s / {flops_per_token / 1e9:.2f} GFLOP) "
+          "tokens/s; prefill FLOPs are not in it")
 
     out = dict(
-        bench="rollout", platform=args.platform, dtype=args.dtype, quick=args.quick, repeats=args.repeats, settings={**settings, **({
+        bench="rollout", model_config=args.model_config or "smollm2-135m", platform=args.platform, dtype=args.dtype, quick=args.quick, repeats=args.repeats, settings={**settings, **({
             k: hf_info[k] for k in ("torch_version", "torch_num_threads", "torch_num_interop_threads")} if hf_info else {})},
         machine={k: round(v, 1) for k, v in machine.items()}, max_model_len=max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,

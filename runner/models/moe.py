@@ -1,6 +1,9 @@
 """A mixture-of-experts feed-forward block (Qwen3-MoE): softmax routing to the top-k experts per token,
 the chosen (token, expert) pairs sorted by expert and computed as grouped matmuls (`jax.lax.ragged_dot`:
-each expert multiplies only its own tokens, never a dense all-experts product). Where the step is mapped
+each expert multiplies only its own tokens, never a dense all-experts product). A step with at most
+`num_experts` (token, expert) pairs (decode at small batch) instead gathers each pair's expert weights
+and multiplies them directly: it reads only the chosen experts, which is what a memory-bound decode
+step pays for (and XLA:CPU lowers `ragged_dot` to a masked product over every expert). Where the step is mapped
 over data-parallel replicas (on a mesh), jax 0.10.2 has no batching rule for `ragged_dot`: there every
 expert runs on every token, weighted by the routing (exact, E / k times the work).
 
@@ -55,6 +58,8 @@ class SparseMoE(nnx.Module):
     def __call__(self, x: Float[Array, "... H"]) -> Float[Array, "... H"]:
         flat = x.reshape(-1, x.shape[-1])
         weights, experts = self.route(flat)
+        if flat.shape[0] * self.config.num_experts_per_tok <= self.config.num_experts:
+            return self._gathered(flat, weights, experts).reshape(x.shape)
         try:
             out = self._grouped(flat, weights, experts)
         except NotImplementedError:  # jax 0.10.2's ragged_dot cannot be vmapped here (a step mapped over mesh replicas)
@@ -76,6 +81,19 @@ class SparseMoE(nnx.Module):
              * jax.lax.ragged_dot(xs, self._stacked("up_proj", x.dtype), sizes))
         ys = jax.lax.ragged_dot(h, self._stacked("down_proj", x.dtype), sizes) * weights.reshape(-1)[order][:, None]
         return jnp.zeros_like(x).at[token].add(ys)
+
+    def _gathered(self, x: Float[Array, "N H"], weights: Float[Array, "N k"], experts: Int[Array, "N k"]
+                  ) -> Float[Array, "N H"]:
+        """Each (token, expert) pair multiplied by that expert's own weights, gathered per pair."""
+        chosen = experts.reshape(-1)
+        xs = jnp.repeat(x, self.config.num_experts_per_tok, axis=0)
+
+        def project(name: str, inputs: Array) -> Array:
+            kernels = jnp.stack([getattr(e, name).kernel[...] for e in self.experts])[chosen].astype(x.dtype)
+            return jnp.einsum("pa,pab->pb", inputs, kernels)
+        h = jax.nn.silu(project("gate_proj", xs)) * project("up_proj", xs)
+        ys = project("down_proj", h) * weights.reshape(-1)[:, None]
+        return ys.reshape(x.shape[0], -1, x.shape[1]).sum(axis=1)
 
     def _dense(self, x: Float[Array, "N H"], weights: Float[Array, "N k"], experts: Int[Array, "N k"]
                ) -> Float[Array, "N H"]:
