@@ -23,6 +23,7 @@ import numpy as np
 
 from runner.models.config import ModelConfig
 from runner.models.gguf_tensor import GGUFTensor
+from runner.models.registry import get_family
 from runner.models.torch_checkpoint import read_torch_state_dict
 
 
@@ -73,6 +74,7 @@ def read_checkpoint(path: str) -> Checkpoint:
 def expected_shapes(hf_config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     """Every tensor a model of this config needs (any registered family), with its PyTorch shape."""
     cfg = ModelConfig.from_hf_dict(hf_config)
+    family = get_family(cfg.family)
     h, i, v, d = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
@@ -85,12 +87,13 @@ def expected_shapes(hf_config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
             "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
             "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
         }
-        if n in cfg.moe_layers:  # routed experts (runner/models/moe.py)
+        if n in cfg.moe_layers:  # routed experts (runner/models/moe.py), named as the family names them
             e, m = cfg.num_experts, cfg.moe_intermediate_size
-            layer["mlp.gate.weight"] = (e, h)
+            moe = {"mlp.gate.kernel": (e, h)}
             for x in range(e):
-                layer.update({f"mlp.experts.{x}.gate_proj.weight": (m, h), f"mlp.experts.{x}.up_proj.weight": (m, h),
-                              f"mlp.experts.{x}.down_proj.weight": (h, m)})
+                moe.update({f"mlp.experts.{x}.gate_proj.kernel": (m, h), f"mlp.experts.{x}.up_proj.kernel": (m, h),
+                            f"mlp.experts.{x}.down_proj.kernel": (h, m)})
+            layer.update({family.hf_name(f"layers.{n}.{k}")[len(p):]: s for k, s in moe.items()})
         else:
             layer.update({"mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i)})
         if cfg.qkv_bias:

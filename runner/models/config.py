@@ -46,7 +46,7 @@ class ModelConfig:
     """Hyper-parameters of one decoder of a registered family (Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3,
     Qwen3-MoE, Gemma 2, Gemma 3)."""
 
-    family: str  # a key of `runner.models.registry.FAMILIES`: "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "gemma2" | "gemma3"
+    family: str  # a key of `runner.models.registry.FAMILIES`: "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "mistral" | "mixtral" | "gemma2" | "gemma3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int

@@ -101,6 +101,14 @@ class ModelFamily:
                 return substitute(entry.path, caps), entry.transpose
         return None
 
+    def hf_name(self, path: str) -> str:
+        """The HF tensor name of one engine parameter path (the name table read backwards)."""
+        for entry in self.names:
+            caps = match(entry.path, path)
+            if caps is not None:
+                return substitute(entry.hf, caps)
+        raise KeyError(f"no {self.name} name-table row maps to {path!r}")
+
     def is_ignored(self, name: str) -> bool:
         return any(match(p, name) is not None for p in self.ignored_hf)
 

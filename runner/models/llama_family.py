@@ -1,8 +1,9 @@
-"""The Llama family's declarations (Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3, Qwen3-MoE share one module): the name
-table, sharding rules, the family-specific config fields and the attention spec."""
+"""The Llama family's declarations (Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3, Qwen3-MoE, Mistral, Mixtral share one
+module): the name tables, sharding rules, the family-specific config fields and the attention spec."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import jax
@@ -40,6 +41,13 @@ MOE_NAMES: tuple[NameEntry, ...] = (
     # llama.cpp stacks the experts into one tensor (`ffn_*_exps`): no per-expert GGUF names
     *(NameEntry(f"{_L}.mlp.experts.*.{p}.weight", f"layers.*.mlp.experts.*.{p}.kernel", True)
       for p in ("gate_proj", "up_proj", "down_proj")),
+)
+
+# Mixtral's names for the same router and experts (w1 = gate, w3 = up, w2 = down)
+MIXTRAL_NAMES: tuple[NameEntry, ...] = (
+    NameEntry(f"{_L}.block_sparse_moe.gate.weight", "layers.*.mlp.gate.kernel", True),
+    *(NameEntry(f"{_L}.block_sparse_moe.experts.*.{w}.weight", f"layers.*.mlp.experts.*.{p}.kernel", True)
+      for w, p in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))),
 )
 
 LLAMA_SHARDING: ShardingRules = (
@@ -89,8 +97,25 @@ def _qwen3_moe_fields(hf: Mapping[str, object]) -> dict[str, object]:
             "norm_topk_prob": bool(hf.get("norm_topk_prob", False)), "moe_layers": layers}
 
 
+def _mistral_fields(hf: Mapping[str, object]) -> dict[str, object]:
+    """Mistral: Llama's layers; every layer attends within `sliding_window` when it is set."""
+    window = hf.get("sliding_window")
+    layers = tuple(range(int(hf["num_hidden_layers"]))) if window else ()
+    return {**_llama_fields(hf), "sliding_window": int(window) if window else None, "sliding_layers": layers}
+
+
+def _mixtral_fields(hf: Mapping[str, object]) -> dict[str, object]:
+    """Mixtral: Mistral with every MLP routed to `num_local_experts` experts of `intermediate_size`,
+    softmax over all experts then renormalised over the chosen ones."""
+    experts = int(hf.get("num_local_experts") or 0)
+    return {**_mistral_fields(hf), "num_experts": experts, "num_experts_per_tok": int(hf.get("num_experts_per_tok", 0)),
+            "moe_intermediate_size": int(hf["intermediate_size"]), "norm_topk_prob": True,
+            "moe_layers": tuple(range(int(hf["num_hidden_layers"]))) if experts else ()}
+
+
 def _attention_spec(cfg: ModelConfig, layer: int) -> AttentionSpec:
-    return AttentionSpec(scale=cfg.head_dim ** -0.5)
+    return AttentionSpec(scale=cfg.head_dim ** -0.5,
+                         sliding_window=cfg.sliding_window if layer in cfg.sliding_layers else None)
 
 
 def layer_inv_freq_buffers(cfg: ModelConfig, rest: nnx.State) -> nnx.State:
@@ -117,3 +142,8 @@ LLAMA = _family("llama", "LlamaForCausalLM", _llama_fields, LLAMA_GGUF_PERMUTED)
 QWEN2 = _family("qwen2", "Qwen2ForCausalLM", _qwen2_fields)
 QWEN3 = _family("qwen3", "Qwen3ForCausalLM", _qwen3_fields)
 QWEN3_MOE = _family("qwen3_moe", "Qwen3MoeForCausalLM", _qwen3_moe_fields, names=LLAMA_NAMES + MOE_NAMES)
+# llama.cpp writes Mistral as `llama` and stacks Mixtral's experts: neither has GGUF names of its own
+MISTRAL = _family("mistral", "MistralForCausalLM", _mistral_fields,
+                  names=tuple(dataclasses.replace(e, gguf=None) for e in LLAMA_NAMES))
+MIXTRAL = _family("mixtral", "MixtralForCausalLM", _mixtral_fields,
+                  names=tuple(dataclasses.replace(e, gguf=None) for e in LLAMA_NAMES) + MIXTRAL_NAMES)

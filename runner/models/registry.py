@@ -15,9 +15,9 @@ import weight_sync.presets
 from runner.models.config import ModelConfig
 from runner.models.family import CausalLM, ModelFamily
 from runner.models.gemma_family import GEMMA2, GEMMA3
-from runner.models.llama_family import LLAMA, QWEN2, QWEN3, QWEN3_MOE
+from runner.models.llama_family import LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE
 
-FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, GEMMA2, GEMMA3)}
+FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, MISTRAL, MIXTRAL, GEMMA2, GEMMA3)}
 ARCHITECTURES: dict[str, ModelFamily] = {arch: f for f in FAMILIES.values() for arch in f.architectures}
 
 for _preset in ("hf", "hf-strict", "hf-fused"):
