@@ -1,4 +1,4 @@
-"""Gemma 2 and Gemma 3 (text) against transformers: tiny random checkpoints written by transformers load with
+"""Gemma 2 and Gemma 3 (text), and Mistral's windowed layers, against transformers: tiny random checkpoints written by transformers load with
 logits within 1e-4 of its forward; the engine's greedy tokens equal transformers' `generate` (whose cache
 honours the sliding window) with prompts and outputs past the window and across pages; rollout logprobs
 equal the model's own full-sequence forward, also for n samples sharing a cached prompt (windowed layers
@@ -152,3 +152,27 @@ def test_hub_and_transformers_5_gemma3_configs_read_the_same() -> None:
     assert hub == new and hub.sliding_layers == (0, 1, 2, 3, 4, 6) and hub.rope_scaling.rope_type == "linear"
     with pytest.raises(ValueError, match="hidden_activation"):
         ModelConfig.from_hf_dict(dict(base, hidden_activation="relu"))
+
+
+def test_mistral_sliding_window_equals_transformers(tmp_path: Path) -> None:
+    """Mistral (Llama's layers, every one windowed): logits and greedy tokens past the window."""
+    torch.manual_seed(0)
+    cfg = transformers.MistralConfig(**{k: v for k, v in COMMON.items() if k != "query_pre_attn_scalar"},
+                                     rope_theta=10000.0, tie_word_embeddings=False)
+    cfg._attn_implementation = "eager"
+    hf = transformers.MistralForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0.0, 0.3 if p.dim() > 1 else 0.2)
+    hf.save_pretrained(tmp_path / "mistral")
+    model, mc = load_model(str(tmp_path / "mistral"))
+    assert mc.family == "mistral" and mc.sliding_layers == (0, 1, 2, 3) and mc.sliding_window == 6
+    ids = np.array([rand_prompt(np.random.default_rng(i), 24) for i in range(2)])
+    with torch.no_grad():
+        theirs = hf(torch.tensor(ids)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(model(jnp.asarray(ids), jnp.broadcast_to(jnp.arange(24), ids.shape))),
+                               theirs, atol=1e-4, rtol=0)
+    prompt = rand_prompt(np.random.default_rng(4), 21)
+    (out,) = Engine.from_model(model, ByteTokenizer(), **KW).generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 16)
