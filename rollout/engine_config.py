@@ -42,7 +42,9 @@ class EngineConfig:
     backend: str = "auto"
     # "auto" (`runner.backends.auto_attention_impl`): without tensor parallelism, JAX's Pallas
     # paged-attention kernel for decode steps on a GPU (on a TPU with a bfloat16 cache), the C++ kernel
-    # on one CPU device with a float32 cache; the pure-JAX path otherwise. Or one of ATTENTION_IMPLS.
+    # on one CPU device with a float32 cache; the pure-JAX path otherwise. Or one of ATTENTION_IMPLS, or
+    # "tpu": the KV cache in the layout of JAX's TPU `ragged_paged_attention`, every step through that
+    # kernel on a TPU and through the pure-JAX reference of that layout elsewhere (docs/tpu.md).
     attention_backend: str = "auto"
     # CPU backend: the few-row matmul kernel, AMX tiles where the CPU has them, and from how many rows
     # AMX takes layer matmuls the row kernel could (the environment switches JAX_ROLLOUT_ROW_KERNEL=0,
@@ -90,8 +92,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.cpu_amx_from_rows, int) or self.cpu_amx_from_rows < 1:
             raise ValueError(f"cpu_amx_from_rows must be an integer >= 1, got {self.cpu_amx_from_rows!r}")
-        if self.attention_backend not in ("auto", *ATTENTION_IMPLS):
-            raise ValueError(f"attention_backend must be 'auto' or one of {ATTENTION_IMPLS}, got {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", "tpu", *ATTENTION_IMPLS):
+            raise ValueError(f"attention_backend must be 'auto', 'tpu' or one of {ATTENTION_IMPLS}, "
+                             f"got {self.attention_backend!r}")
         if self.num_scheduler_steps is None:  # resolved here, so the engine reads one number
             object.__setattr__(self, "num_scheduler_steps", DEFAULT_SCHEDULER_STEPS)
         if not isinstance(self.num_scheduler_steps, int) or not 1 <= self.num_scheduler_steps <= 64:

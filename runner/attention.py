@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from runner.ragged_attention import (  # noqa: F401  (re-exported: the kernel's constants and entry point)
-    MASK_VALUE, MULTIPLY_REDUCE_MAX_ROWS, PIECES_PER_GROUP, ragged_paged_attention, soft_capped)
+    MASK_VALUE, MULTIPLY_REDUCE_MAX_ROWS, PIECES_PER_GROUP, cache_geometry, ragged_paged_attention, soft_capped)
 
 
 @jax.tree_util.register_dataclass
@@ -44,7 +44,10 @@ class AttentionMetadata:
     impl: str = dataclasses.field(metadata=dict(static=True), default="jax")  # one of ATTENTION_IMPLS
 
 
-ATTENTION_IMPLS = ("jax", "cpu_kernel", "pallas_gpu", "pallas_gpu_interpret", "pallas_tpu", "pallas_tpu_interpret")
+ATTENTION_IMPLS = ("jax", "cpu_kernel", "pallas_gpu", "pallas_gpu_interpret", "pallas_tpu", "pallas_tpu_interpret",
+                   "tpu_ragged", "tpu_ragged_interpret", "tpu_ragged_jax")
+# impls whose KV cache is laid out for JAX's TPU `ragged_paged_attention` kernel: `[P, page, 2 * Hkv, D]`
+TPU_LAYOUT_IMPLS = ("tpu_ragged", "tpu_ragged_interpret", "tpu_ragged_jax")
 
 
 def paged_attention(
@@ -69,9 +72,17 @@ def paged_attention(
     for that backend over the same cache (`kv_pages[0]`, `kv_pages[1]`), and every other step to the
     pure-JAX version; the "_interpret" variants run those kernels in Pallas interpret mode (any
     backend; tests). The TPU kernel rounds K and V to bfloat16 inside (exact for a bfloat16 cache).
+
+    A cache in the TPU ragged layout (`[P, page, 2 * Hkv, D]`, `TPU_LAYOUT_IMPLS`) sends every step
+    (prefill, chunked prefill, decode, verification; windows and soft-caps included) to JAX's Pallas
+    TPU `ragged_paged_attention` ("tpu_ragged"; "tpu_ragged_interpret" in interpret mode) or to the
+    pure-JAX version over that layout ("tpu_ragged_jax", the reference). No cascade there: the kernel
+    has none. A cache in the engine's layout (an EAGLE-3 head's) under those impls runs pure JAX.
     """
     if md.impl not in ATTENTION_IMPLS:
         raise ValueError(f"unknown attention impl {md.impl!r}; choose one of {ATTENTION_IMPLS}")
+    if kv_pages.ndim == 4:
+        return _tpu_ragged(queries, kv_pages, md, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     if sliding_window is not None or soft_cap is not None:
         return ragged_paged_attention(
             queries, kv_pages, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs, sm_scale=sm_scale,
@@ -83,12 +94,39 @@ def paged_attention(
         if md.max_q_len <= MAX_Q_LEN and queries.dtype == kv_pages.dtype == jnp.float32 and queries.shape[-1] <= MAX_HEAD_DIM:
             return cpu_paged_attention(queries, kv_pages, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
                                        sm_scale=sm_scale)
-    elif md.impl != "jax" and md.max_q_len == 1 and queries.shape[0] == md.page_indices.shape[0]:
+    elif md.impl.startswith("pallas_") and md.max_q_len == 1 and queries.shape[0] == md.page_indices.shape[0]:
         return _pallas_decode(queries, kv_pages, md.kv_lens, md.page_indices, sm_scale=sm_scale,
                               platform=md.impl.split("_")[1], interpret=md.impl.endswith("_interpret"))
     return ragged_paged_attention(queries, kv_pages, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
                                   sm_scale=sm_scale, max_q_len=md.max_q_len, num_common_pages=md.num_common_pages,
                                   trim_rows=md.trim_rows)
+
+
+def _tpu_ragged(
+    queries: Float[Array, "T Hq D"],
+    kv_pages: Float[Array, "P page 2Hkv D"],
+    md: AttentionMetadata,
+    *,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+) -> Float[Array, "T Hq D"]:
+    """Every step over a cache in the TPU ragged layout: the Pallas kernel, or the pure-JAX reference."""
+    if md.impl in ("tpu_ragged", "tpu_ragged_interpret"):
+        from jax.experimental.pallas import tpu as pltpu
+        from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention as tpu_kernel
+
+        interpret = md.impl.endswith("_interpret")
+        # On a TPU the kernel picks its block sizes from a table keyed by TPU generation; off one, fixed ones.
+        blocks = (dict(num_kv_pages_per_block=_largest_divisor(md.page_indices.shape[1], (8, 4, 2, 1)),
+                       num_queries_per_block=8) if interpret else {})
+        with pltpu.force_tpu_interpret_mode() if interpret else contextlib.nullcontext():
+            out = tpu_kernel(queries, kv_pages, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
+                             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, **blocks)
+        return out.astype(queries.dtype)
+    return ragged_paged_attention(queries, kv_pages, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
+                                  sm_scale=sm_scale, max_q_len=md.max_q_len, trim_rows=md.trim_rows,
+                                  sliding_window=sliding_window, soft_cap=soft_cap)
 
 
 def _largest_divisor(n: int, options: tuple[int, ...]) -> int:
@@ -148,7 +186,8 @@ def write_kv(
     v: Float[Array, "T Hkv D"],
     slot_mapping: Int[Array, "T"],
 ) -> Float[Array, "2 Hkv P page D"]:
-    """Scatter this step's K and V into their slots; out-of-range slots are dropped.
+    """Scatter this step's K and V into their slots; out-of-range slots are dropped. A cache in the TPU
+    ragged layout (`[P, page, 2 * Hkv, D]`) takes K of head h at 2h and V at 2h + 1.
 
     One scatter of `head_dim` rows indexed by (page, offset), with the K/V and head axes as explicit
     batching dimensions: XLA:CPU updates the cache in place (a scatter along an inner axis made it
@@ -156,6 +195,12 @@ def write_kv(
     with no collective (flattening the head axis into the rows made it all-gather the whole cache
     in every layer of a tensor-parallel step).
     """
+    if kv_pages.ndim == 4:
+        num_pages, page_size, combined, head_dim = kv_pages.shape
+        in_range = (slot_mapping >= 0) & (slot_mapping < num_pages * page_size)
+        page = jnp.where(in_range, slot_mapping // page_size, num_pages)  # past the last page: dropped
+        updates = jnp.stack([k, v], axis=2).reshape(k.shape[0], combined, head_dim).astype(kv_pages.dtype)
+        return kv_pages.at[page, slot_mapping % page_size].set(updates, mode="drop")
     two, num_kv_heads, num_pages, page_size, _ = kv_pages.shape
     in_range = (slot_mapping >= 0) & (slot_mapping < num_pages * page_size)
     page = jnp.where(in_range, slot_mapping // page_size, num_pages)  # past the last page: dropped

@@ -15,6 +15,15 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def cache_geometry(shape: tuple[int, ...]) -> tuple[int, int, int]:
+    """(num_kv_heads, num_pages, page_size) of one layer's cache (no replica axis) in either layout: the
+    engine's `[2, Hkv, P, page, D]` or the TPU ragged kernel's `[P, page, 2 * Hkv, D]` (K and V of head
+    h at 2h and 2h + 1)."""
+    if len(shape) == 4:
+        return shape[2] // 2, shape[0], shape[1]
+    return shape[1], shape[2], shape[3]
 MULTIPLY_REDUCE_MAX_ROWS = 24  # query rows per (sequence, KV head) up to which scores skip the dot
 
 
@@ -60,7 +69,7 @@ def ragged_paged_attention(
     """
     num_tokens, num_q_heads, head_dim = queries.shape
     num_rows, pages_per_seq = page_indices.shape
-    num_kv_heads = kv_pages.shape[1]
+    num_kv_heads = cache_geometry(kv_pages.shape)[0]
     group = num_q_heads // num_kv_heads
     rows = group * max_q_len  # query rows per (sequence, KV head): row = g * max_q_len + i
 
@@ -144,7 +153,7 @@ def _attend_rows(
     window, starts at the first chunk the earliest row's window reaches)."""
     num_kv_heads, num_rows, rows, head_dim = q.shape
     pages_per_seq = page_indices.shape[1]
-    page_size = kv_pages.shape[3]
+    page_size = cache_geometry(kv_pages.shape)[2]
     chunk = min(pages_per_chunk, pages_per_seq)
     num_chunks = -(-pages_per_seq // chunk)
     page_indices = jnp.pad(page_indices, ((0, 0), (0, num_chunks * chunk - pages_per_seq)))
@@ -209,7 +218,16 @@ def _take_pages(kv_pages: Float[Array, "2 Hkv P page D"], idx: Int[Array, "N"]
     vmapping a take over axis 1 of the whole cache fused a transpose of the whole cache into the
     gather (elementwise index math), and vmapping a take over the heads of `kv_pages[0]` became
     one gather of all heads per page (strided reads) followed by a transposing copy.
+
+    A cache in the TPU kernel's layout (`[P, page, 2 * Hkv, D]`) is gathered by page and split into
+    K and V per head (the reference path of that layout: a transposing copy per chunk).
     """
+    if kv_pages.ndim == 4:
+        pages = jnp.take(kv_pages, idx, axis=0, mode="clip")  # [N, page, 2 * Hkv, D]
+        n, page_size, combined, head_dim = pages.shape
+        pages = pages.reshape(n, page_size, combined // 2, 2, head_dim).transpose(3, 2, 0, 1, 4)
+        pages = pages.reshape(2, combined // 2, n, page_size * head_dim)
+        return pages[0], pages[1]
     two, num_kv_heads, total_pages, page_size, head_dim = kv_pages.shape
     rows = kv_pages.reshape(two, num_kv_heads, total_pages, page_size * head_dim)
     index = jnp.broadcast_to(idx[None, :, None], (num_kv_heads, idx.shape[0], 1)).astype(jnp.int32)
@@ -252,7 +270,7 @@ def _common_prefix_attention(
     attends to them in one matmul per KV head; no causal mask is needed since they precede every query.
     """
     num_kv_heads, num_rows, rows, head_dim = q.shape
-    page_size = kv_pages.shape[3]
+    page_size = cache_geometry(kv_pages.shape)[2]
     chunk = min(COMMON_PAGES_PER_CHUNK, pages.shape[0])
     pages = jnp.pad(pages, (0, -pages.shape[0] % chunk))
     chunk_tokens = chunk * page_size

@@ -18,6 +18,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 KV_CACHE_AXES: tuple[str | None, ...] = ("replica", None, "kv_heads", None, None, None)  # [R, 2, Hkv, P, page, D]
+TPU_KV_CACHE_AXES: tuple[str | None, ...] = ("replica", None, None, "kv_heads", None)  # [R, P, page, 2 * Hkv, D]
 LOGICAL_TO_MESH: dict[str, str] = {"vocab": "model", "heads": "model", "mlp": "model", "kv_heads": "model",
                                    "replica": "data"}
 
@@ -57,7 +58,9 @@ def param_sharding(logical: tuple[str | None, ...], shape: tuple[int, ...], mesh
 
 
 def kv_cache_sharding(shape: tuple[int, ...], mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, spec_for(shape, KV_CACHE_AXES, mesh))
+    """A layer's KV cache split over replicas (`data`) and KV heads (`model`), in either layout (the
+    TPU one's combined K/V head axis splits between heads: K and V of a head stay together)."""
+    return NamedSharding(mesh, spec_for(shape, TPU_KV_CACHE_AXES if len(shape) == 5 else KV_CACHE_AXES, mesh))
 
 
 def shard_params(params: object, mesh: Mesh, logical_axes: Callable[[str], tuple[str | None, ...]]) -> object:

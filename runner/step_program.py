@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jaxtyping import Array, Float, Int
 
-from runner.attention import AttentionMetadata, paged_slots
+from runner.attention import AttentionMetadata, cache_geometry, paged_slots
 from runner.models.family import CausalLM, KVCaches
 from runner.sampler import SamplerOutput, sample
 from runner.step_inputs import SAMPLER_MODES, DeviceBatch
@@ -107,7 +107,7 @@ def decode_loop(model: CausalLM, kv_caches: KVCaches, batch: DeviceBatch, state:
     `after_step` carries `state` through the loop (inactive rows' slots are out of range: dropped).
     """
     chunk, md, sampling = batch.chunk, batch.md, batch.sampling
-    num_pages, page_size = kv_caches[0].shape[3], kv_caches[0].shape[4]
+    _, num_pages, page_size = cache_geometry(kv_caches[0].shape[1:])
     num_slots = num_pages * page_size
     last = jnp.maximum(chunk.num_steps - 1, 0)  # [R, N] a row's last step
 

@@ -218,8 +218,10 @@ def test_auto_attention_impl_keeps_float32_caches_exact() -> None:
     assert auto_attention_impl("auto", "cpu", 1, "bfloat16") == "jax"
     assert auto_attention_impl("auto", "gpu", 1, "float32") == "pallas_gpu"
     assert auto_attention_impl("auto", "gpu", 2, "float32") == "jax"  # the kernels run unpartitioned
-    assert auto_attention_impl("auto", "tpu", 1, "bfloat16") == "pallas_tpu"
-    assert auto_attention_impl("auto", "tpu", 1, "float32") == "jax"  # the TPU kernel would round K/V
+    assert auto_attention_impl("auto", "tpu", 1, "bfloat16") == "tpu_ragged"  # every step through the kernel
+    assert auto_attention_impl("auto", "tpu", 1, "float32") == "tpu_ragged_jax"  # exact: its layout, pure JAX
+    assert auto_attention_impl("auto", "tpu", 2, "bfloat16") == "tpu_ragged_jax"  # the kernel runs unpartitioned
+    assert auto_attention_impl("tpu", "cpu", 1, "bfloat16") == "tpu_ragged_jax"  # the layout anywhere
     assert auto_attention_impl("pallas_tpu_interpret", "cpu", 1, "float32") == "pallas_tpu_interpret"
 
 

@@ -6,16 +6,20 @@ per engine from its config. The CPU backend's C++ kernels are imported only when
 | `reference` | XLA's dot | pure JAX (`runner.attention.ragged_paged_attention`), the oracle |
 | `cpu` | row kernel / AMX where they build (`runner/backends/cpu/`) | the C++ paged kernel on one device, float32 |
 | `gpu` | XLA's dot | JAX's Pallas GPU kernel for decode steps (no tensor parallelism) |
-| `tpu` | XLA's dot | JAX's Pallas TPU decode kernel for a bfloat16 cache (no tensor parallelism) |
+| `tpu` | XLA's dot; MoE experts through Megablox `gmm` | JAX's Pallas TPU `ragged_paged_attention` for every step, the cache in its layout (no tensor parallelism; off a TPU: the pure-JAX reference of that layout) |
+
+`attention_backend="tpu"` puts the KV cache in the TPU ragged kernel's layout on any backend: on a TPU
+every step runs that kernel ("tpu_ragged"), elsewhere its pure-JAX reference ("tpu_ragged_jax").
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
+from flax import nnx
 from jax.sharding import Mesh
 
 from runner.attention import ATTENTION_IMPLS
-from runner.backends.base import Backend
+from runner.backends.base import Backend, ModuleT
 
 BACKENDS = ("auto", "reference", "cpu", "gpu", "tpu")
 
@@ -27,19 +31,35 @@ class GpuBackend(Backend):
 
 
 class TpuBackend(Backend):
-    """XLA's dot; JAX's Pallas TPU paged-attention kernel for decode steps with a bfloat16 cache."""
+    """XLA's dot; JAX's Pallas TPU `ragged_paged_attention` for every step (the cache in its layout);
+    mixture-of-experts matmuls through JAX's Megablox `gmm` (in interpret mode off a TPU)."""
 
     name = "tpu"
 
+    def __init__(self, attention_impl: str, *, on_tpu: bool) -> None:
+        super().__init__(attention_impl)
+        self.grouped_matmul = "megablox" if on_tpu else "megablox_interpret"
+
+    def prepare(self, module: ModuleT, *, pack: bool = True) -> ModuleT:
+        copy = super().prepare(module, pack=pack)
+        for _, sub in nnx.iter_modules(copy):
+            if hasattr(sub, "grouped_matmul"):  # a SparseMoE block
+                sub.grouped_matmul = self.grouped_matmul
+        return copy
+
 
 def auto_attention_impl(backend: str, platform: str, model_axis: int, cache_dtype: str, num_devices: int = 1) -> str:
-    """The attention impl for `attention_backend=backend` ("auto" or one of ATTENTION_IMPLS) on `platform`.
+    """The attention impl for `attention_backend=backend` ("auto", "tpu" or one of ATTENTION_IMPLS) on `platform`.
 
-    "auto" takes the Pallas decode kernel of the device's platform when the cache is not sharded over
-    a `model` axis; on TPU only for a bfloat16 cache, since that kernel rounds K/V to bfloat16 (with
-    a float32 cache it would move logprobs off the trainer's by ~1e-2). On one CPU device with a
-    float32 cache, the C++ kernel when it builds. Otherwise (and on the reference backend) pure JAX.
+    "tpu" (and "auto" on a TPU): the cache in the TPU ragged kernel's layout, every step through that
+    kernel on a TPU with a bfloat16 cache and no `model` axis ("tpu_ragged"), else through the pure-JAX
+    reference of that layout ("tpu_ragged_jax": a float32 cache stays exact; a sharded one stays
+    partitioned). "auto" elsewhere: on a GPU without tensor parallelism, the Pallas decode kernel; on
+    one CPU device with a float32 cache, the C++ kernel when it builds; otherwise pure JAX.
     """
+    if backend == "tpu" or (backend == "auto" and platform == "tpu"):
+        kernel = platform == "tpu" and model_axis == 1 and jnp.dtype(cache_dtype) == jnp.bfloat16
+        return "tpu_ragged" if kernel else "tpu_ragged_jax"
     if backend != "auto":
         return backend
     if model_axis != 1:
@@ -50,8 +70,6 @@ def auto_attention_impl(backend: str, platform: str, model_axis: int, cache_dtyp
         return "cpu_kernel" if load().available else "jax"
     if platform == "gpu":
         return "pallas_gpu"
-    if platform == "tpu" and jnp.dtype(cache_dtype) == jnp.bfloat16:
-        return "pallas_tpu"
     return "jax"
 
 
@@ -63,13 +81,15 @@ def select_backend(name: str, mesh: Mesh, *, dtype: str, param_dtype: str, cache
         raise ValueError(f"unknown backend {name!r}; choose one of {BACKENDS}")
     platform = mesh.devices.flat[0].platform
     kind = platform if name == "auto" else name
-    if attention_backend not in ("auto", *ATTENTION_IMPLS):
-        raise ValueError(f"unknown attention impl {attention_backend!r}; choose 'auto' or one of {ATTENTION_IMPLS}")
-    if kind == "reference":
-        attention = "jax" if attention_backend == "auto" else attention_backend
-    else:
-        attention = auto_attention_impl(attention_backend, kind, mesh.shape["model"], cache_dtype, mesh.size)
-    if attention != "jax" and mesh.shape["model"] > 1:
+    if attention_backend not in ("auto", "tpu", *ATTENTION_IMPLS):
+        raise ValueError(f"unknown attention impl {attention_backend!r}; choose 'auto', 'tpu' or one of {ATTENTION_IMPLS}")
+    requested = "tpu" if kind == "tpu" and attention_backend == "auto" else attention_backend
+    if kind == "reference" and requested == "auto":
+        attention = "jax"
+    else:  # the TPU layout's kernel only on a TPU; the other kernels by the backend asked for
+        on = platform if requested == "tpu" else kind
+        attention = auto_attention_impl(requested, on, mesh.shape["model"], cache_dtype, mesh.size)
+    if attention not in ("jax", "tpu_ragged_jax") and mesh.shape["model"] > 1:
         raise ValueError(f"attention impl {attention!r} runs unpartitioned: it needs a mesh whose 'model' axis "
                          f"is 1, got {mesh.shape['model']} (use 'jax')")
     if kind == "cpu":
@@ -80,5 +100,5 @@ def select_backend(name: str, mesh: Mesh, *, dtype: str, param_dtype: str, cache
     if kind == "gpu":
         return GpuBackend(attention)
     if kind == "tpu":
-        return TpuBackend(attention)
+        return TpuBackend(attention, on_tpu=platform == "tpu")
     return Backend(attention)

@@ -86,7 +86,13 @@ class Backend:
 
     def kv_cache_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """One layer's KV cache shape in this backend's layout, from the engine's
-        `[replicas, 2, kv_heads, pages, page_size, head_dim]` (every backend keeps it for now)."""
+        `[replicas, 2, kv_heads, pages, page_size, head_dim]`: kept, except for the TPU ragged kernel's
+        impls (`runner.attention.TPU_LAYOUT_IMPLS`): `[replicas, pages, page_size, 2 * kv_heads, head_dim]`."""
+        from runner.attention import TPU_LAYOUT_IMPLS
+
+        if self.attention_impl in TPU_LAYOUT_IMPLS:
+            replicas, _, kv_heads, pages, page_size, head_dim = shape
+            return (replicas, pages, page_size, 2 * kv_heads, head_dim)
         return shape
 
     def status(self) -> BackendStatus:

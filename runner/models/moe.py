@@ -45,6 +45,9 @@ class SparseMoE(nnx.Module):
         self.config = cfg
         self.gate = ExpertWeight(cfg.hidden_size, cfg.num_experts, cfg=cfg, rngs=rngs)  # the router
         self.experts = nnx.List([Expert(cfg, rngs) for _ in range(cfg.num_experts)])
+        # the grouped matmul the backend picked: "ragged_dot" (XLA), or JAX's Megablox `gmm` kernel on a
+        # TPU ("megablox"; "megablox_interpret" runs it in Pallas interpret mode anywhere)
+        self.grouped_matmul = "ragged_dot"
 
     def route(self, x: Float[Array, "N H"]) -> tuple[Float[Array, "N k"], jax.Array]:
         """Each token's `num_experts_per_tok` experts and their weights (softmax in float32, as HF)."""
@@ -77,9 +80,9 @@ class SparseMoE(nnx.Module):
         token = order // k
         sizes = jnp.bincount(experts.reshape(-1), length=self.config.num_experts).astype(jnp.int32)
         xs = x[token]
-        h = (jax.nn.silu(jax.lax.ragged_dot(xs, self._stacked("gate_proj", x.dtype), sizes))
-             * jax.lax.ragged_dot(xs, self._stacked("up_proj", x.dtype), sizes))
-        ys = jax.lax.ragged_dot(h, self._stacked("down_proj", x.dtype), sizes) * weights.reshape(-1)[order][:, None]
+        h = (jax.nn.silu(self._gmm(xs, self._stacked("gate_proj", x.dtype), sizes))
+             * self._gmm(xs, self._stacked("up_proj", x.dtype), sizes))
+        ys = self._gmm(h, self._stacked("down_proj", x.dtype), sizes) * weights.reshape(-1)[order][:, None]
         return jnp.zeros_like(x).at[token].add(ys)
 
     def _gathered(self, x: Float[Array, "N H"], weights: Float[Array, "N k"], experts: Int[Array, "N k"]
@@ -94,6 +97,21 @@ class SparseMoE(nnx.Module):
         h = jax.nn.silu(project("gate_proj", xs)) * project("up_proj", xs)
         ys = project("down_proj", h) * weights.reshape(-1)[:, None]
         return ys.reshape(x.shape[0], -1, x.shape[1]).sum(axis=1)
+
+    def _gmm(self, lhs: Float[Array, "M K"], rhs: Float[Array, "E K N"], group_sizes: Int[Array, "E"]
+             ) -> Float[Array, "M N"]:
+        """Rows of `lhs` (grouped by expert, `group_sizes` each) times their group's `rhs`."""
+        if self.grouped_matmul == "ragged_dot":
+            return jax.lax.ragged_dot(lhs, rhs, group_sizes)
+        from jax.experimental.pallas.ops.tpu.megablox import gmm
+
+        (m, k), n = lhs.shape, rhs.shape[2]
+        tile_m = 8  # rows come padded to the TPU's sublane tile; K and N in 128-lane tiles where they divide
+        padded = jnp.pad(lhs, ((0, -m % tile_m), (0, 0)))
+        tiling = (tile_m, 128 if k % 128 == 0 else k, 128 if n % 128 == 0 else n)
+        out = gmm(padded, rhs, group_sizes, preferred_element_type=jnp.float32, tiling=tiling,
+                  interpret=self.grouped_matmul == "megablox_interpret")
+        return out[:m].astype(lhs.dtype)
 
     def _dense(self, x: Float[Array, "N H"], weights: Float[Array, "N k"], experts: Int[Array, "N k"]
                ) -> Float[Array, "N H"]:

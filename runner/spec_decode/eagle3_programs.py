@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding
 from jax.tree_util import PyTreeDef
 from jaxtyping import Array, Bool, Float, Int
 
-from runner.attention import paged_slots
+from runner.attention import cache_geometry, paged_slots
 from runner.models.family import KVCaches
 from runner.sampler import SamplerOutput
 from runner.spec_decode.eagle3 import DraftCache, DraftChain, Eagle3Head, draft_paged, fill_cache
@@ -174,7 +174,8 @@ def _draft_verify(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: TreeDefs
 
     def plain(kv_caches: KVCaches) -> tuple:
         """Each sequence's first token alone; outputs laid out as the verification's (its first row / token)."""
-        num_slots = kv_caches[0].shape[3] * kv_caches[0].shape[4]
+        _, num_pages, page_size = cache_geometry(kv_caches[0].shape[1:])
+        num_slots = num_pages * page_size
         b = first_token_batch(batch, plain_rows, num_slots)
         kv_caches, out, _, aux = forward_and_sample(target, kv_caches, b, num_top=num_top, token_logprobs=False,
                                                      aux_layers=aux_layers, kv_sharding=kv_sharding)
@@ -219,7 +220,8 @@ def _draft_verify_steps(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: Tr
     head = _merge(head_gd, defs[0], defs[1], head_params, head_rest)
     target = _merge(target_gd, defs[2], defs[3], params, rest)
     md, chunk, sampling = batch.md, batch.chunk, batch.sampling
-    num_slots, page = kv_caches[0].shape[3] * kv_caches[0].shape[4], kv_caches[0].shape[4]
+    _, num_pages, page = cache_geometry(kv_caches[0].shape[1:])
+    num_slots = num_pages * page
     num_replicas, num_tokens = batch.token_ids.shape
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     seq = jax.vmap(lambda cu: jnp.clip(jnp.searchsorted(cu, t, side="right") - 1, 0, cu.shape[0] - 2))(md.cu_q_lens)
