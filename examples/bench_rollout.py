@@ -33,7 +33,8 @@ Run: `python examples/bench_rollout.py` (full; slow on a small CPU), `--quick` t
 `--json-out out.json`, `--top-p 0.95` / `--top-k 50` (nucleus / top-k sampling in every sampling run,
 both sides), `--model-config qwen3-0.6b | gemma-3-1b | moe-8x2` (instead of SmolLM2: a randomly
 initialised model of that family's real shapes, the same weights on both sides: examples/model_configs.py;
-the prompts keep SmolLM2's token ids), `--new-tokens N` (R1's new tokens per sequence). Ends with
+the prompts keep SmolLM2's token ids), `--new-tokens N` (R1's new tokens per sequence), `--backend reference|cpu|gpu|tpu` (the engine's kernels;
+examples/bench_tpu.sh compares the TPU backend with the reference one). Ends with
 one JSON line holding every figure.
 """
 
@@ -111,7 +112,8 @@ def run_ours(args: argparse.Namespace, runs: list[dict[str, Any]], tok: Any, max
 
     rss0 = bc.current_rss_bytes()
     t0 = time.perf_counter()
-    kw = dict(max_num_seqs=64, max_model_len=max_model_len, max_num_batched_tokens=args.max_num_batched_tokens)
+    kw = dict(max_num_seqs=64, max_model_len=max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+              backend=args.backend)
     if args.model_dir is None:
         engine = Engine.from_pretrained(None, dtype=args.dtype, **kw)
     else:  # the random model of --model-config, with SmolLM2's tokenizer (prompts are token ids)
@@ -293,6 +295,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--model-config", default=None,
                     help="a random model of a real family's shapes instead of SmolLM2 (examples/model_configs.py)")
     ap.add_argument("--new-tokens", type=int, default=None, help="R1's new tokens per sequence (default 128)")
+    ap.add_argument("--backend", default="auto", help="the engine's kernel backend (EngineConfig.backend): auto, "
+                    "reference, cpu, gpu, tpu")
     ap.add_argument("--mesh", default=None, metavar="SIZES",
                     help="instead: R1 greedy at the largest --batch-sizes on meshes: 'd' = tensor parallel (1, d), "
                          "'DxM' = (data D, model M); e.g. 1,2,4 or 1x1,1x2,2x1 (fake CPU devices here, real chips "
@@ -453,7 +457,7 @@ def main() -> None:
           "tokens/s; prefill FLOPs are not in it")
 
     out = dict(
-        bench="rollout", model_config=args.model_config or "smollm2-135m", platform=args.platform, dtype=args.dtype, quick=args.quick, repeats=args.repeats, settings={**settings, **({
+        bench="rollout", model_config=args.model_config or "smollm2-135m", backend=args.backend, platform=args.platform, dtype=args.dtype, quick=args.quick, repeats=args.repeats, settings={**settings, **({
             k: hf_info[k] for k in ("torch_version", "torch_num_threads", "torch_num_interop_threads")} if hf_info else {})},
         machine={k: round(v, 1) for k, v in machine.items()}, max_model_len=max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -58,12 +58,14 @@ class Engine(EngineCore):
                              f"of max_model_len={config.max_model_len}; give at least {max_pages} blocks")
         kv_spec = dataclasses.replace(kv_spec, num_blocks=kv_spec.num_blocks * num_replicas, num_replicas=num_replicas)
         spec = config.speculative
-        buckets = BucketConfig(config.max_num_seqs, config.max_num_batched_tokens, max_pages,
-                               verify_rows=spec.k + 1 if spec is not None else 0)
         backend = select_backend(config.backend, device_mesh, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
                                  cache_dtype=kv_spec.dtype, attention_backend=config.attention_backend,
                                  cpu_row_kernel=config.cpu_row_kernel, cpu_amx=config.cpu_amx,
                                  cpu_amx_from_rows=config.cpu_amx_from_rows)
+        min_seqs, min_tokens = backend.min_buckets  # the smallest padded shapes worth compiling (TPU: its tile)
+        buckets = BucketConfig(config.max_num_seqs, config.max_num_batched_tokens, max_pages,
+                               min_seqs=min_seqs, min_tokens=min(min_tokens, config.max_num_batched_tokens),
+                               verify_rows=spec.k + 1 if spec is not None else 0)
         draft_head, verify_steps = None, spec.num_verify_steps if isinstance(spec, Eagle3Config) else 1
         if isinstance(spec, Eagle3Config):
             draft_head = load_eagle3_head(spec.path, cfg, aux_layer_ids=spec.aux_layer_ids)
@@ -77,15 +79,18 @@ class Engine(EngineCore):
         self._compiles_at_start = num_compilations()
 
     @classmethod
-    def from_pretrained(cls, path: str | None = None, *, dtype: str = "float32",
+    def from_pretrained(cls, path: str | None = None, *, dtype: str = "auto",
                         mesh: Mesh | tuple[int, int] | None = None, **config: object) -> "Engine":
         """Load a HF directory, a `.gguf` file, or (None) the embedded SmolLM2-135M-Instruct.
 
-        `mesh`: None (one device), a `(data, model)` size pair, or a Mesh with those axes.
+        `dtype`: "float32", "bfloat16", or "auto" (bfloat16 on a TPU, float32 elsewhere). `mesh`: None
+        (one device), a `(data, model)` size pair, or a Mesh with those axes.
         """
         engine_config = EngineConfig(**config)  # validate before the (slow) load
         _use_compilation_cache(engine_config)
         device_mesh = make_mesh(mesh)
+        if dtype == "auto":
+            dtype = "bfloat16" if device_mesh.devices.flat[0].platform == "tpu" else "float32"
         model, _ = load_model(path, dtype=dtype, mesh=device_mesh)  # straight into the sharded layout
         return cls(model, load_tokenizer(path), engine_config, device_mesh)
 

@@ -12,7 +12,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--served-model-name", default=None, help="the name clients pass as `model`")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="auto: bfloat16 on a TPU, float32 elsewhere")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)

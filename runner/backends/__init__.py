@@ -40,6 +40,11 @@ class TpuBackend(Backend):
         super().__init__(attention_impl)
         self.grouped_matmul = "megablox" if on_tpu else "megablox_interpret"
 
+    @property
+    def min_buckets(self) -> tuple[int, int]:
+        """Rows in multiples of the TPU's 8 sublanes, tokens of its 128 lanes: smaller pads up anyway."""
+        return 8, 128
+
     def prepare(self, module: ModuleT, *, pack: bool = True) -> ModuleT:
         copy = super().prepare(module, pack=pack)
         for _, sub in nnx.iter_modules(copy):

@@ -84,6 +84,12 @@ class Backend:
         """`rest` with every packed weight recomputed from `params` (jit it, donating `rest`)."""
         return rest
 
+    @property
+    def min_buckets(self) -> tuple[int, int]:
+        """The smallest sequence and token buckets worth compiling: (1, 32) (XLA:CPU runs a 1-row decode
+        ~3x faster than an 8-row one)."""
+        return 1, 32
+
     def kv_cache_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """One layer's KV cache shape in this backend's layout, from the engine's
         `[replicas, 2, kv_heads, pages, page_size, head_dim]`: kept, except for the TPU ragged kernel's
