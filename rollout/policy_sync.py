@@ -34,7 +34,7 @@ class WeightUpdater:
             raise ValueError("draft_params were given but this engine has no EAGLE-3 head "
                              "(build it with speculative=Eagle3Config(...))")
         if isinstance(mapping, str) and mapping in weight_sync.presets.FAMILY_PRESETS:  # this model's names
-            mapping = get_family(runner.config.family).sync_rules(mapping)
+            mapping = get_family(runner.config.family).sync_rules(mapping, runner.config.num_experts)
         try:
             takes = self._head_takes()  # trainer-layout attention tensors into padded / replicated heads
             plan = weight_sync.plan(params, runner.params, mapping, takes=takes)  # cached per structure

@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 KV_CACHE_AXES: tuple[str | None, ...] = ("replica", None, "kv_heads", None, None, None)  # [R, 2, Hkv, P, page, D]
 TPU_KV_CACHE_AXES: tuple[str | None, ...] = ("replica", None, None, "kv_heads", None)  # [R, P, page, 2 * Hkv, D]
 LOGICAL_TO_MESH: dict[str, str] = {"vocab": "model", "heads": "model", "mlp": "model", "kv_heads": "model",
-                                   "replica": "data"}
+                                   "expert": "model", "replica": "data"}
 
 
 def make_mesh(shape: tuple[int, int] | Mesh | None) -> Mesh:

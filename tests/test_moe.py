@@ -1,10 +1,12 @@
 """Qwen3-MoE and Mixtral (routed experts) against transformers: a tiny random checkpoint written by transformers loads
 with logits within 1e-4 of its forward, the engine's greedy tokens equal transformers' `generate`, rollout
 logprobs equal the model's own full-sequence forward, `sync_weights(mapping="hf")` takes the per-expert
-HF tensors, and a tensor-parallel mesh gives the same tokens."""
+HF tensors (stacked into one `[experts, in, out]` parameter per projection), and expert-parallel meshes
+give the same tokens."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -104,16 +106,24 @@ def test_sync_weights_takes_the_hf_expert_tensors(checkpoint: tuple[object, Path
     assert out.outputs[0].token_ids == want and out.outputs[0].policy_version == 2
     bad = dict(tensors)
     del bad[EXPERT_UP[family_of(path)]]
-    with pytest.raises(ValueError, match="experts.1.up_proj"):
+    with pytest.raises(ValueError, match=re.escape(f"lacks source(s) ['{EXPERT_UP[family_of(path)]}']")):
         engine.sync_weights(bad, "hf")
 
 
 @pytest.mark.slow
-def test_a_tensor_parallel_mesh_gives_the_same_tokens(checkpoint: tuple[object, Path]) -> None:
+@pytest.mark.parametrize("mesh", [(1, 2), (2, 2)])
+def test_expert_parallel_meshes_give_the_same_tokens(checkpoint: tuple[object, Path], mesh: tuple[int, int]) -> None:
+    """Experts split over the `model` axis (each device holds whole experts), on one replica and on two."""
+    from jax.sharding import PartitionSpec
+
     _, path = checkpoint
     model, _ = load_model(str(path))
-    prompts = [rand_prompt(np.random.default_rng(20 + i), 9) for i in range(3)]
-    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [rand_prompt(np.random.default_rng(20 + i), n) for i, n in enumerate((9, 26, 3))]
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
     one = Engine.from_model(model, ByteTokenizer(), **KW).generate(prompts, sp)
-    two = Engine.from_model(model, ByteTokenizer(), mesh=(1, 2), **KW).generate(prompts, sp)
-    assert [o.outputs[0].token_ids for o in one] == [o.outputs[0].token_ids for o in two]
+    engine = Engine.from_model(model, ByteTokenizer(), mesh=mesh, **KW)
+    kernel = engine.runner.params["layers"][0]["mlp"]["experts"]["gate_proj"]["kernel"].value
+    assert kernel.shape[0] == 4 and kernel.sharding.spec == PartitionSpec("model", None, None)
+    for a, b in zip(one, engine.generate(prompts, sp)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        np.testing.assert_allclose(a.outputs[0].logprobs.values, b.outputs[0].logprobs.values, atol=2e-5)

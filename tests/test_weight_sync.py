@@ -217,6 +217,28 @@ def test_concat_into_fused_target_and_dtype_rules() -> None:
     assert "lacks source(s) ['l.1.v.weight']" in msg
 
 
+def test_stack_per_expert_sources_into_one_target() -> None:
+    """`stack=True`: per-expert `[out, in]` tensors -> one `[experts, in, out]` target; shape and
+    missing-expert problems are reported by name."""
+    rng = np.random.default_rng(1)
+    src = {f"l.{i}.e.{x}.w": rng.normal(size=(6, 4)).astype(np.float32) for i in range(2) for x in range(3)}
+    target = {"l": {str(i): {"w": jnp.zeros((3, 4, 6), jnp.float32)} for i in range(2)}}
+    rule = ws.Rule(tuple(f"l.*.e.{x}.w" for x in range(3)), "l.*.w", concat=0, stack=True, transpose=(0, 2, 1))
+    new = ws.apply(ws.plan(src, target, [rule]), src, target)
+    for i in range(2):
+        np.testing.assert_array_equal(np.asarray(new["l"][str(i)]["w"]),
+                                      np.stack([src[f"l.{i}.e.{x}.w"].T for x in range(3)]))
+    bad = dict(src)
+    del bad["l.1.e.2.w"]
+    bad["l.0.e.1.w"] = np.zeros((5, 4), np.float32)
+    with pytest.raises(ws.WeightSyncError) as e:
+        ws.plan(bad, target, [rule])
+    msg = str(e.value)
+    assert "stack rule" in msg and "lacks source(s) ['l.1.e.2.w']" in msg and "cannot stack shapes" in msg
+    with pytest.raises(ValueError, match="needs `concat=axis`"):
+        ws.Rule(("a", "b"), "c", stack=True)
+
+
 def test_failure_is_atomic() -> None:
     cfg = make_cfg("qwen2")
     trained, engine = make_model(cfg, 1, randomize=True), make_model(cfg, 0)

@@ -42,6 +42,7 @@ class Transform:
     split_size: int
     dtype: str  # the target's dtype: the result is always cast to it
     take: Take | None = None  # last: rows / columns of the target picked from the result (see `plan`)
+    stack: bool = False  # the sources are stacked along a new axis `concat_axis` (not concatenated)
 
     def is_trivial(self, src_dtype: str) -> bool:
         """True when the target is the (single) source as is: a plain device_put suffices."""
@@ -87,7 +88,13 @@ def _dtype_problem(src: str, dst: str) -> str | None:
 def _shape_after(shapes: list[Shape], rule: Rule) -> tuple[Shape | None, str | None]:
     """Shape after concat -> transpose -> reshape (before split), or an error message."""
     shape = shapes[0]
-    if rule.concat is not None:
+    if rule.stack:
+        ax = rule.concat
+        if any(s != shape for s in shapes) or not -len(shape) - 1 <= ax <= len(shape):
+            return None, f"cannot stack shapes {shapes} on a new axis {ax}"
+        ax %= len(shape) + 1
+        shape = shape[:ax] + (len(shapes),) + shape[ax:]
+    elif rule.concat is not None:
         ax = rule.concat
         if any(len(s) != len(shape) for s in shapes) or not -len(shape) <= ax < len(shape):
             return None, f"cannot concat shapes {shapes} on axis {ax}"
@@ -157,8 +164,10 @@ def _build(rules: tuple[Rule, ...], src: FlatTree, tgt: FlatTree, fp: str, takes
         rule = rules[ri]
         missing = [substitute(p, caps) for i, p in enumerate(rule.sources) if i not in found]
         if missing:
-            problems.append(f"concat rule {rule.sources} for {[substitute(t, caps) for t in rule.targets]} "
+            kind = "stack" if rule.stack else "concat"
+            problems.append(f"{kind} rule {rule.sources} for {[substitute(t, caps) for t in rule.targets]} "
                             f"lacks source(s) {missing}")
+            attempted.update(substitute(t, caps) for t in rule.targets)  # reported here, not also as unfilled
             continue
         srcs = tuple(found[i] for i in range(len(rule.sources)))
         targets = [substitute(t, caps) for t in rule.targets]
@@ -227,8 +236,8 @@ def _split_ops(rule: Rule, ri: int, srcs: tuple[str, ...], targets: list[str], s
             if err:
                 problems.append(f"{s!r} -> {t!r}: {err}")
                 ok = False
-        ops.append(TargetOp(t, srcs, Transform(rule.concat, rule.transpose, rule.reshape, ax, st, sz, tdtype, take),
-                            ri))
+        ops.append(TargetOp(t, srcs, Transform(rule.concat, rule.transpose, rule.reshape, ax, st, sz, tdtype, take,
+                                               rule.stack), ri))
     return ops if ok else []
 
 

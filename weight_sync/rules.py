@@ -10,7 +10,9 @@ A rule's transform runs in this fixed order:
     concat (several sources, along `concat`) -> transpose -> reshape -> split -> cast
 
 - `concat`: the rule has several source patterns (all with the same `*` count); the matched
-  sources (same captures) are concatenated along axis `concat` into one fused tensor.
+  sources (same captures) are concatenated along axis `concat` into one fused tensor; with
+  `stack=True` they are stacked along a new axis `concat` instead (per-expert tensors -> one
+  `[experts, ...]` tensor).
 - `split`: the rule has several target patterns; the (transformed) source is cut along
   `split.axis` into pieces of `split.sizes` (or, when `sizes` is None, the sizes read from
   the targets' shapes along that axis), one per target, in order.
@@ -87,6 +89,7 @@ class Rule:
     concat: int | None = None
     dtype: str | None = None
     drop_if_target_missing: bool = False
+    stack: bool = False  # sources stacked along a new axis `concat` (not concatenated along an existing one)
 
     def __post_init__(self) -> None:
         srcs = (self.source,) if isinstance(self.source, str) else tuple(self.source)
@@ -105,8 +108,10 @@ class Rule:
             raise ValueError(f"Rule target {self.target!r} has more '*' than its source {self.source!r}")
         if len(srcs) > 1 and self.concat is None:
             raise ValueError(f"Rule with several sources {srcs} needs `concat=axis`")
-        if len(srcs) == 1 and self.concat is not None:
+        if len(srcs) == 1 and self.concat is not None and not self.stack:
             raise ValueError("`concat` needs several source patterns")
+        if self.stack and self.concat is None:
+            raise ValueError("`stack=True` needs `concat=axis` (the new axis)")
         if len(tgts) > 1 and self.split is None:
             raise ValueError(f"Rule with several targets {tgts} needs `split=Split(axis, sizes)`")
         if self.split is not None:

@@ -22,7 +22,10 @@ HostOrDevice = Shaped[Array, "..."] | Shaped[np.ndarray, "..."]
 
 def run(xs: Sequence[HostOrDevice], t: Transform, xp: ModuleType) -> HostOrDevice:
     """concat -> transpose -> reshape -> split -> take -> cast, with `xp` = numpy or jax.numpy."""
-    x = xs[0] if t.concat_axis is None else xp.concatenate(list(xs), axis=t.concat_axis)
+    if t.stack:
+        x = xp.stack(list(xs), axis=t.concat_axis)
+    else:
+        x = xs[0] if t.concat_axis is None else xp.concatenate(list(xs), axis=t.concat_axis)
     if t.transpose is not None:
         x = xp.transpose(x, t.transpose)
     if t.reshape is not None:

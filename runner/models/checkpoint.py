@@ -89,11 +89,10 @@ def expected_shapes(hf_config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
         }
         if n in cfg.moe_layers:  # routed experts (runner/models/moe.py), named as the family names them
             e, m = cfg.num_experts, cfg.moe_intermediate_size
-            moe = {"mlp.gate.kernel": (e, h)}
+            layer[family.hf_name(f"layers.{n}.mlp.gate.kernel")[len(p):]] = (e, h)
             for x in range(e):
-                moe.update({f"mlp.experts.{x}.gate_proj.kernel": (m, h), f"mlp.experts.{x}.up_proj.kernel": (m, h),
-                            f"mlp.experts.{x}.down_proj.kernel": (h, m)})
-            layer.update({family.hf_name(f"layers.{n}.{k}")[len(p):]: s for k, s in moe.items()})
+                for proj, shape in (("gate_proj", (m, h)), ("up_proj", (m, h)), ("down_proj", (h, m))):
+                    layer[family.hf_name(f"layers.{n}.mlp.experts.{proj}.kernel", x)[len(p):]] = shape
         else:
             layer.update({"mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i)})
         if cfg.qkv_bias:

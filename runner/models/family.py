@@ -67,6 +67,9 @@ class NameEntry:
     path: str  # the engine's parameter path (Flax `[in, out]` kernels)
     transpose: bool = False  # `[out, in]` -> `[in, out]`
     gguf: str | None = None  # llama.cpp's name (`blk.*.attn_q.weight`); None: GGUF files do not carry it
+    # the HF name's last `*` is the index along the parameter's leading axis (per-expert tensors stacked
+    # into one `[experts, in, out]` parameter); `path` has one `*` fewer
+    stacked: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,21 +96,25 @@ class ModelFamily:
     ignored_hf: tuple[str, ...] = ()  # HF buffers some checkpoints carry that are recomputed, never loaded
     gguf_permuted: Mapping[str, str] = dataclasses.field(default_factory=dict)  # GGUF name -> head-count field
 
-    def map_hf_name(self, name: str) -> tuple[str, bool] | None:
-        """The engine path and transpose flag of one HF tensor name, or None when no row matches."""
+    def map_hf_name(self, name: str) -> tuple[str, bool, int | None] | None:
+        """The engine path, transpose flag and (stacked rows) index along the parameter's leading axis of
+        one HF tensor name, or None when no row matches."""
         for entry in self.names:
             caps = match(entry.hf, name)
             if caps is not None:
-                return substitute(entry.path, caps), entry.transpose
+                if entry.stacked:
+                    return substitute(entry.path, caps[:-1]), entry.transpose, int(caps[-1])
+                return substitute(entry.path, caps), entry.transpose, None
         return None
 
-    def hf_name(self, path: str) -> str:
-        """The HF tensor name of one engine parameter path (the name table read backwards)."""
+    def hf_name(self, path: str, index: int | None = None) -> str:
+        """The HF tensor name of one engine parameter path (the name table read backwards); `index`:
+        the entry of a stacked parameter's leading axis."""
         for entry in self.names:
             caps = match(entry.path, path)
-            if caps is not None:
-                return substitute(entry.hf, caps)
-        raise KeyError(f"no {self.name} name-table row maps to {path!r}")
+            if caps is not None and entry.stacked == (index is not None):
+                return substitute(entry.hf, caps + ((str(index),) if entry.stacked else ()))
+        raise KeyError(f"no {self.name} name-table row maps to {path!r}" + ("" if index is None else f"[{index}]"))
 
     def is_ignored(self, name: str) -> bool:
         return any(match(p, name) is not None for p in self.ignored_hf)
@@ -120,14 +127,22 @@ class ModelFamily:
                 return substitute(entry.hf, caps)
         return None
 
-    def sync_rules(self, preset: str = "hf") -> tuple[Rule, ...]:
+    def sync_rules(self, preset: str = "hf", num_experts: int = 0) -> tuple[Rule, ...]:
         """`weight_sync` rules from the name table: "hf" (a tied model's `lm_head.weight` dropped),
-        "hf-strict" (reported instead), "hf-fused" (also fused `qkv_proj` / `gate_up_proj` sources)."""
+        "hf-strict" (reported instead), "hf-fused" (also fused `qkv_proj` / `gate_up_proj` sources).
+        Stacked rows take the `num_experts` per-expert tensors of each layer, stacked."""
         if preset not in ("hf", "hf-strict", "hf-fused"):
             raise ValueError(f"unknown family preset {preset!r}; choose 'hf', 'hf-strict' or 'hf-fused'")
         rules = [Rule(p, None) for p in self.ignored_hf]
-        rules += [Rule(e.hf, e.path, transpose=_T if e.transpose else None,
-                       drop_if_target_missing=e.hf == "lm_head.weight" and preset != "hf-strict") for e in self.names]
+        for e in self.names:
+            if e.stacked:
+                if num_experts > 0:  # the last `*` is the expert: one source pattern per expert
+                    head, _, tail = e.hf.rpartition("*")
+                    rules.append(Rule(tuple(f"{head}{x}{tail}" for x in range(num_experts)), e.path,
+                                      transpose=(0, 2, 1) if e.transpose else None, concat=0, stack=True))
+                continue
+            rules.append(Rule(e.hf, e.path, transpose=_T if e.transpose else None,
+                              drop_if_target_missing=e.hf == "lm_head.weight" and preset != "hf-strict"))
         if preset == "hf-fused":
             rules = list(self._fused_rules()) + rules
         return tuple(rules)

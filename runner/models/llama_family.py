@@ -39,15 +39,15 @@ LLAMA_NAMES: tuple[NameEntry, ...] = (
 MOE_NAMES: tuple[NameEntry, ...] = (
     _layer("mlp.gate.weight", "mlp.gate.kernel", "ffn_gate_inp.weight", transpose=True),
     # llama.cpp stacks the experts into one tensor (`ffn_*_exps`): no per-expert GGUF names
-    *(NameEntry(f"{_L}.mlp.experts.*.{p}.weight", f"layers.*.mlp.experts.*.{p}.kernel", True)
+    *(NameEntry(f"{_L}.mlp.experts.*.{p}.weight", f"layers.*.mlp.experts.{p}.kernel", True, stacked=True)
       for p in ("gate_proj", "up_proj", "down_proj")),
 )
 
 # Mixtral's names for the same router and experts (w1 = gate, w3 = up, w2 = down)
 MIXTRAL_NAMES: tuple[NameEntry, ...] = (
     NameEntry(f"{_L}.block_sparse_moe.gate.weight", "layers.*.mlp.gate.kernel", True),
-    *(NameEntry(f"{_L}.block_sparse_moe.experts.*.{w}.weight", f"layers.*.mlp.experts.*.{p}.kernel", True)
-      for w, p in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))),
+    *(NameEntry(f"{_L}.block_sparse_moe.experts.*.{w}.weight", f"layers.*.mlp.experts.{p}.kernel", True,
+                stacked=True) for w, p in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))),
 )
 
 LLAMA_SHARDING: ShardingRules = (
@@ -59,8 +59,8 @@ LLAMA_SHARDING: ShardingRules = (
     (r"layers\.\d+\.mlp\.(gate_proj|up_proj)\.kernel", (None, "mlp")),
     (r"layers\.\d+\.mlp\.(gate_proj|up_proj)\.bias", ("mlp",)),
     (r"layers\.\d+\.mlp\.down_proj\.kernel", ("mlp", None)),
-    (r"layers\.\d+\.mlp\.experts\.\d+\.(gate_proj|up_proj)\.kernel", (None, "mlp")),
-    (r"layers\.\d+\.mlp\.experts\.\d+\.down_proj\.kernel", ("mlp", None)),
+    # expert parallelism: each device of the `model` axis holds whole experts (`[E, in, out]` split on E)
+    (r"layers\.\d+\.mlp\.experts\.(gate_proj|up_proj|down_proj)\.kernel", ("expert", None, None)),
     (r".*", ()),  # norms, biases of row-parallel layers, buffers: replicated
 )
 # llama.cpp permuted Q/K rows of `llama` GGUFs -> the head count that undoes it

@@ -64,6 +64,8 @@ def model_from_hf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray], *, m
     flat = {_path_str(k): v for k, v in nnx.to_flat_state(params)}
     values: dict[str, jax.Array] = {}
     problems: list[str] = []
+    sources: dict[str, tuple[str, object]] = {}  # target -> (what it is read from, the host tensor)
+    rows: dict[str, dict[int, np.ndarray]] = {}  # stacked parameters (experts): their rows, by index
     for name, array in tensors.items():
         if family.is_ignored(name):
             continue
@@ -73,20 +75,38 @@ def model_from_hf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray], *, m
         if mapped is None:
             problems.append(f"checkpoint tensor {name!r} matches no rule")
             continue
-        target, transpose = mapped
+        target, transpose, index = mapped
         if target not in flat:
             problems.append(f"checkpoint tensor {name!r} -> {target!r}, which this model config does not have")
             continue
-        if target in values:
+        arr = array.T if transpose else array  # a view: memory-mapped sources stay unread
+        if index is not None:
+            if index in rows.setdefault(target, {}):
+                problems.append(f"two checkpoint tensors map to {target!r}[{index}]")
+            rows[target][index] = arr
+            continue
+        if target in sources:
             problems.append(f"two checkpoint tensors map to {target!r}")
             continue
-        arr = array.T if transpose else array  # a view: memory-mapped sources stay unread
+        sources[target] = (repr(name), arr)
+    for target, by_index in rows.items():
+        count = flat[target].value.shape[0]
+        absent = sorted(set(range(count)) - set(by_index))
+        if absent or max(by_index) >= count:
+            problems.append(f"{target!r} stacks {count} tensors; the checkpoint has indices {sorted(by_index)}")
+            continue
+        pieces = [by_index[i] for i in range(count)]
+        if len({tuple(p.shape) for p in pieces}) != 1:
+            problems.append(f"the tensors stacked into {target!r} differ in shape: {sorted({p.shape for p in pieces})}")
+            continue
+        sources[target] = (f"{count} tensors stacked", StackedRows(pieces))
+    for target, (name, arr) in sources.items():
         expansion = layout.expansion(target) if layout is not None else None
         if expansion is not None:
             arr = ExpandedColumns(arr, expansion)
         want = flat[target].value
         if arr.shape != want.shape:
-            problems.append(f"{name!r}: shape {arr.shape} (after layout change) != model's {want.shape} for {target!r}")
+            problems.append(f"{name}: shape {arr.shape} (after layout change) != model's {want.shape} for {target!r}")
             continue
         values[target] = _to_device(arr, want.dtype, None if mesh is None else param_sharding(family.logical_axes(target), arr.shape, mesh))
     missing = sorted(set(flat) - set(values))
@@ -96,6 +116,22 @@ def model_from_hf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray], *, m
     for key, var in nnx.to_flat_state(params):
         var.value = values[_path_str(key)]
     return nnx.merge(graphdef, params, family.buffers(cfg, rest))
+
+
+class StackedRows:
+    """A lazy `[n, ...]` stack of equally shaped host tensors (per-expert weights): slicing reads only
+    the rows (and the part of each) the slice needs."""
+
+    def __init__(self, rows: list[np.ndarray]) -> None:
+        self.rows, self.shape, self.dtype = rows, (len(rows), *rows[0].shape), rows[0].dtype
+
+    def __getitem__(self, index: tuple[slice, ...]) -> np.ndarray:
+        first, rest = index[0], tuple(index[1:])
+        return np.stack([np.asarray(self.rows[i][rest]) for i in range(len(self.rows))[first]])
+
+    def __array__(self, dtype: np.dtype | None = None, copy: bool | None = None) -> np.ndarray:
+        out = self[tuple(slice(None) for _ in self.shape)]
+        return out if dtype is None else out.astype(dtype, copy=False)
 
 
 class ExpandedColumns:

@@ -7,8 +7,9 @@ step pays for (and XLA:CPU lowers `ragged_dot` to a masked product over every ex
 over data-parallel replicas (on a mesh), jax 0.10.2 has no batching rule for `ragged_dot`: there every
 expert runs on every token, weighted by the routing (exact, E / k times the work).
 
-The experts are separate modules (`experts.{e}.gate_proj.kernel`, ...: HF's per-expert names map one to
-one) and are stacked into `[E, in, out]` inside the step."""
+The experts' weights are stacked per projection (`experts.gate_proj.kernel [E, in, out]`, ...): the name
+table maps HF's per-expert tensors to entries of the leading axis (`NameEntry.stacked`), and the sharding
+rules split that axis over the mesh's `model` axis (expert parallelism)."""
 
 from __future__ import annotations
 
@@ -21,21 +22,23 @@ from runner.models.config import ModelConfig
 
 
 class ExpertWeight(nnx.Module):
-    """One expert projection's `[in, out]` kernel (read by the block's grouped matmul, not called)."""
+    """A `[in, out]` kernel read by the block (the router), or `[E, in, out]`: one per expert."""
 
-    def __init__(self, in_features: int, out_features: int, *, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, in_features: int, out_features: int, *, cfg: ModelConfig, rngs: nnx.Rngs,
+                 num_experts: int | None = None):
         init = jax.nn.initializers.normal(stddev=0.02)
-        self.kernel = nnx.Param(init(rngs.params(), (in_features, out_features), jnp.dtype(cfg.param_dtype)))
+        shape = (in_features, out_features) if num_experts is None else (num_experts, in_features, out_features)
+        self.kernel = nnx.Param(init(rngs.params(), shape, jnp.dtype(cfg.param_dtype)))
 
 
-class Expert(nnx.Module):
-    """One SwiGLU expert: `down(silu(gate(x)) * up(x))` (HF names `experts.{e}.{gate,up,down}_proj`)."""
+class Experts(nnx.Module):
+    """Every expert's SwiGLU weights, stacked: `down(silu(gate(x)) * up(x))` with expert e's `[e]` slices."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        h, i = cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate_proj = ExpertWeight(h, i, cfg=cfg, rngs=rngs)
-        self.up_proj = ExpertWeight(h, i, cfg=cfg, rngs=rngs)
-        self.down_proj = ExpertWeight(i, h, cfg=cfg, rngs=rngs)
+        h, i, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+        self.gate_proj = ExpertWeight(h, i, cfg=cfg, rngs=rngs, num_experts=e)
+        self.up_proj = ExpertWeight(h, i, cfg=cfg, rngs=rngs, num_experts=e)
+        self.down_proj = ExpertWeight(i, h, cfg=cfg, rngs=rngs, num_experts=e)
 
 
 class SparseMoE(nnx.Module):
@@ -44,7 +47,7 @@ class SparseMoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.config = cfg
         self.gate = ExpertWeight(cfg.hidden_size, cfg.num_experts, cfg=cfg, rngs=rngs)  # the router
-        self.experts = nnx.List([Expert(cfg, rngs) for _ in range(cfg.num_experts)])
+        self.experts = Experts(cfg, rngs)
         # the grouped matmul the backend picked: "ragged_dot" (XLA), or JAX's Megablox `gmm` kernel on a
         # TPU ("megablox"; "megablox_interpret" runs it in Pallas interpret mode anywhere)
         self.grouped_matmul = "ragged_dot"
@@ -70,7 +73,7 @@ class SparseMoE(nnx.Module):
         return out.reshape(x.shape)
 
     def _stacked(self, name: str, dtype: jnp.dtype) -> Float[Array, "E A B"]:
-        return jnp.stack([getattr(e, name).kernel[...] for e in self.experts]).astype(dtype)
+        return getattr(self.experts, name).kernel[...].astype(dtype)
 
     def _grouped(self, x: Float[Array, "N H"], weights: Float[Array, "N k"], experts: Int[Array, "N k"]
                  ) -> Float[Array, "N H"]:
@@ -92,7 +95,7 @@ class SparseMoE(nnx.Module):
         xs = jnp.repeat(x, self.config.num_experts_per_tok, axis=0)
 
         def project(name: str, inputs: Array) -> Array:
-            kernels = jnp.stack([getattr(e, name).kernel[...] for e in self.experts])[chosen].astype(x.dtype)
+            kernels = getattr(self.experts, name).kernel[...][chosen].astype(x.dtype)
             return jnp.einsum("pa,pab->pb", inputs, kernels)
         h = jax.nn.silu(project("gate_proj", xs)) * project("up_proj", xs)
         ys = project("down_proj", h) * weights.reshape(-1)[:, None]
