@@ -127,9 +127,7 @@ class Trainer:
         probe = rl.make_problems(np.random.default_rng(12345), 64)
         longest = max(len(tokenizer.encode(rl.build_prompt(tokenizer, p))) for p in probe)
         self.seq_len = cfg.seq_len or -(-(longest + 2 + cfg.max_tokens) // 8) * 8
-        self.engine = Engine.from_model(self.model, tokenizer, max_num_seqs=max(64, cfg.prompts_per_step * cfg.group_size),
-                                        max_model_len=self.seq_len, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                                        seed=cfg.seed)
+        self.engine = self.make_engine()
         self.engine.policy_version = 0
         loss = partial(rl.policy_loss, graphdef=self.graphdef, first=self.first, clip_eps=cfg.clip_eps,
                        kl_coef=cfg.kl_coef, temperature=cfg.temperature)
@@ -142,6 +140,12 @@ class Trainer:
             return optax.apply_updates(trainable, updates), opt_state, value, optax.global_norm(grads), aux
 
         self.train_step = train_step
+
+    def make_engine(self, **config: object) -> Engine:
+        cfg = self.cfg
+        return Engine.from_model(self.model, self.tokenizer, max_num_seqs=max(64, cfg.prompts_per_step * cfg.group_size),
+                                 max_model_len=self.seq_len, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                 seed=cfg.seed, **config)
 
     def sampling_params(self, step: int, num_prompts: int) -> list[SamplingParams]:
         """One per prompt, each with its own seed: a request's noise is keyed by (seed, sample, position),

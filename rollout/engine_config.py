@@ -35,6 +35,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     seed: int = 0
     max_logprobs: int = 20
+    max_kept_ids: int = 16  # most kept ids a sampling record returns per token (`SamplingParams.max_kept_ids`)
     enable_prefix_caching: bool = True
     speculative: NgramConfig | Eagle3Config | None = None  # draft (n-gram lookup or an EAGLE-3 head), verified
     # The kernel backend (`runner/backends/`): "auto" (the devices' platform: "cpu", "gpu" or "tpu"),
@@ -101,6 +102,8 @@ class EngineConfig:
             raise ValueError(f"num_scheduler_steps must be an integer in [1, 64], got {self.num_scheduler_steps!r}")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
+        if not isinstance(self.max_kept_ids, int) or self.max_kept_ids < 1:
+            raise ValueError(f"max_kept_ids must be an integer >= 1, got {self.max_kept_ids!r}")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
         if self.max_policy_lag is not None and (not isinstance(self.max_policy_lag, int) or self.max_policy_lag < 0):

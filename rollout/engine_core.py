@@ -46,8 +46,10 @@ class EngineCore(PolicyUpdates):
         self.config = config
         self.eos_token_ids = eos_token_ids
         spec, kv_spec = config.speculative, runner.kv_spec
-        self._limits = RequestLimits(runner.config.vocab_size, config.max_model_len, config.max_logprobs,
-                                     eos_token_ids, MAX_SUPPRESS)
+        self._limits = RequestLimits(
+            runner.config.vocab_size, config.max_model_len, config.max_logprobs, eos_token_ids, MAX_SUPPRESS,
+            max_kept_ids=config.max_kept_ids,
+            records="an EAGLE-3 engine's draft programs do not return them" if runner.drafter is not None else "")
         self.block_manager = BlockManager(kv_spec.num_blocks, kv_spec.block_size, num_replicas=kv_spec.num_replicas,
                                           enable_prefix_caching=config.enable_prefix_caching)
         self.speculator = None if spec is None else Speculator(

@@ -140,6 +140,9 @@ class OutputProcessor:
                 k = params[j].logprobs
                 seq.output_top += [(result.top_ids[i, rows[j], :k].tolist(),
                                     result.top_logprobs[i, rows[j], :k].tolist()) for i in range(n)] if k else [_NO_TOP] * n
+            if params[j].sampling_record:
+                for i in range(n):
+                    _record(seq, result, i, rows[j])
             if finished[j]:
                 if hit[n - 1, j]:
                     seq.finish_reason = "stop"
@@ -179,6 +182,8 @@ class OutputProcessor:
             k = seq.params.logprobs  # the step returns the batch's largest k
             seq.output_top.append((rows.result.top_ids[step, row, :k].tolist(),
                                    rows.result.top_logprobs[step, row, :k].tolist()) if k else _NO_TOP)
+        if seq.params.sampling_record:
+            _record(seq, rows.result, step, row)
         if self._check_stop(seq, token):
             self.scheduler.finish(seq)
             return True
@@ -230,6 +235,13 @@ class OutputProcessor:
         seq.stop_text_at, hit = min(hits)
         seq.finish_reason, seq.stop_reason = "stop", hit
         return True
+
+
+def _record(seq: Sequence, result: StepResult, step: int, row: int) -> None:
+    """Append the sampling record of the token in `row` of `step` (its kept ids only where they all fit)."""
+    seq.output_kept_logmass.append(float(result.kept_logmass[step, row]))
+    count, k = int(result.kept_counts[step, row]), seq.params.max_kept_ids
+    seq.output_kept_ids.append(result.kept_ids[step, row, :count].tolist() if count <= k else None)
 
 
 def _common_prefix_length(a: str, b: str) -> int:

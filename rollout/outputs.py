@@ -71,6 +71,11 @@ class CompletionOutput:
     policy_version: int | None = None  # the policy version (`sync_weights(version=...)`) that sampled its last token
     # per token of `token_ids`: the policy version that sampled it (weights may change between engine steps)
     policy_versions: list[int | None] = dataclasses.field(default_factory=list)
+    # the sampling record (`SamplingParams.sampling_record`; None without it), per token of `token_ids`: the
+    # log of the mass of softmax(logits / T) the filters kept, and the kept ids (most likely first) where
+    # the kept set has at most `max_kept_ids` tokens (None where it has more)
+    kept_logmass: list[float] | None = None
+    kept_ids: list[list[int] | None] | None = None
 
 
 @dataclasses.dataclass
@@ -112,3 +117,9 @@ class RolloutBatch:
     # the policy version that sampled each completion token (-1: none recorded, or padding)
     completion_policy_versions: Int[np.ndarray, "B C"]
     pad_id: int
+    # the sampling record (None unless every completion has one): kept log-mass per completion token (0
+    # where masked), and the kept ids padded with -1 (M = the most any token kept; a token whose set did
+    # not fit its `max_kept_ids` has all -1 and `completion_kept_ids_valid` False)
+    completion_kept_logmass: Float[np.ndarray, "B C"] | None = None
+    completion_kept_ids: Int[np.ndarray, "B C M"] | None = None
+    completion_kept_ids_valid: Bool[np.ndarray, "B C"] | None = None

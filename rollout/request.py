@@ -58,11 +58,14 @@ def completion(seq: Sequence, tokenizer: Tokenizer, *, start: int = 0, text_star
                                       seq.output_top[start:] if p.logprobs else None)
         cumulative = float(sum(seq.output_logprobs))
     versions = seq.output_versions[start:]
+    record = p.sampling_record
     return CompletionOutput(index=seq.sample_index, token_ids=out_ids[start:], text=text[text_start:],
                             logprobs=logprobs, cumulative_logprob=cumulative, finish_reason=seq.finish_reason,
                             stop_reason=seq.stop_reason,
                             policy_version=seq.output_versions[-1] if seq.output_versions else seq.admitted_version,
-                            policy_versions=versions)
+                            policy_versions=versions,
+                            kept_logmass=seq.output_kept_logmass[start:] if record else None,
+                            kept_ids=seq.output_kept_ids[start:] if record else None)
 
 
 def request_output(req: Request, tokenizer: Tokenizer, kind: OutputKind | None = None) -> RequestOutput | None:

@@ -22,13 +22,15 @@ class _Row:
     logprobs: list[float] | None  # per completion token (0 for environment tokens)
     versions: list[int | None]
     finish_reason: str
+    kept_logmass: list[float] | None = None  # the sampling record, per completion token (None: none)
+    kept_ids: list[list[int] | None] | None = None
 
 
 def build_rollout_batch(outputs: list[RequestOutput], *, pad_id: int, policy_version: int | None) -> RolloutBatch:
     """One row per completion, prompt-major; completions without logprobs get zeros there."""
     rows = [_Row(g, out.prompt_token_ids, c.token_ids, [True] * len(c.token_ids),
                  logprob_values(c.logprobs), c.policy_versions,
-                 c.finish_reason or "")
+                 c.finish_reason or "", c.kept_logmass, c.kept_ids)
             for g, out in enumerate(outputs) for c in out.outputs]
     return _pack(rows, pad_id, policy_version)
 
@@ -81,10 +83,26 @@ def _pack(rows: list[_Row], pad_id: int, policy_version: int | None) -> RolloutB
             completion_logprobs[i, :n] = lp
             logprobs[i, p - 1:p - 1 + n] = lp
     positions = np.broadcast_to(np.arange(total, dtype=np.int32), (num, total)).copy()
+    record = _pack_record(rows, max_completion) if all(r.kept_logmass is not None for r in rows) else {}
     return RolloutBatch(
         prompt_ids=prompt_ids, prompt_lens=prompt_lens, completion_ids=completion_ids,
         completion_mask=completion_mask, completion_logprobs=completion_logprobs, completion_lens=completion_lens,
         group_ids=np.array([r.group for r in rows], np.int32), input_ids=input_ids, positions=positions,
         attention_mask=attention_mask, loss_mask=loss_mask, logprobs=logprobs,
         finish_reasons=tuple(r.finish_reason for r in rows), policy_version=policy_version,
-        completion_policy_versions=versions, pad_id=pad_id)
+        completion_policy_versions=versions, pad_id=pad_id, **record)
+
+
+def _pack_record(rows: list[_Row], width: int) -> dict[str, np.ndarray]:
+    """The sampling record as padded arrays (see `RolloutBatch.completion_kept_logmass`)."""
+    kept = max((len(ids) for r in rows for ids in r.kept_ids if ids is not None), default=0)
+    logmass = np.zeros((len(rows), width), np.float32)
+    ids = np.full((len(rows), width, max(kept, 1)), -1, np.int32)
+    valid = np.zeros((len(rows), width), bool)
+    for i, row in enumerate(rows):
+        logmass[i, :len(row.kept_logmass)] = row.kept_logmass
+        for t, token_ids in enumerate(row.kept_ids):
+            if token_ids is not None:
+                ids[i, t, :len(token_ids)] = token_ids
+                valid[i, t] = True
+    return dict(completion_kept_logmass=logmass, completion_kept_ids=ids, completion_kept_ids_valid=valid)

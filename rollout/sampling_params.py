@@ -22,6 +22,12 @@ class SamplingParams:
     `RequestOutputKind`) is what `Engine.step` reports for the request: everything so far
     ("cumulative"), what is new since its last output ("delta", for streaming), or only the final
     output ("final_only", what `generate` uses).
+
+    `sampling_record=True` reports, per generated token, the log of the probability mass the filters
+    (and suppression) kept of softmax(logits / T) (`CompletionOutput.kept_logmass`), so a trainer can
+    recover the processed logprob from its own forward (`log_softmax(logits / T)[t] - kept_logmass`), and,
+    where the kept set has at most `max_kept_ids` tokens, its ids (`kept_ids`, most likely first), so it
+    can renormalise its new policy over the same set.
     """
 
     n: int = 1
@@ -42,6 +48,8 @@ class SamplingParams:
     output_kind: OutputKind = "cumulative"
     include_stop_str_in_output: bool = False  # keep the stop string (or stop id's / EOS's text) in `text`
     detokenize: bool = True  # False: `text` stays "" (token ids only; no stop strings then)
+    sampling_record: bool = False  # kept mass (and kept ids) of every generated token
+    max_kept_ids: int = 0  # with `sampling_record`: the kept set's ids where it has at most this many
 
     def __post_init__(self) -> None:
         def fail(msg: str) -> None:
@@ -89,6 +97,12 @@ class SamplingParams:
                             f"{type(self.stop_token_ids).__name__} {self.stop_token_ids!r}")
         if not isinstance(self.include_stop_str_in_output, bool):
             fail(f"include_stop_str_in_output must be True or False, got {self.include_stop_str_in_output!r}")
+        if not isinstance(self.sampling_record, bool):
+            fail(f"sampling_record must be True or False, got {self.sampling_record!r}")
+        if not isinstance(self.max_kept_ids, int) or self.max_kept_ids < 0:
+            fail(f"max_kept_ids must be an integer >= 0, got {self.max_kept_ids!r}")
+        if self.max_kept_ids and not self.sampling_record:
+            fail("max_kept_ids needs sampling_record=True")
         ids = tuple(self.stop_token_ids or ())
         if any(not isinstance(t, int) or t < 0 for t in ids):
             fail(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")

@@ -36,6 +36,8 @@ class Sequence:
         self.admitted_version: int | None = None  # policy version in force when it was added
         self.output_logprobs: list[float] = []
         self.output_top: list[tuple[list[int], list[float]]] = []
+        self.output_kept_logmass: list[float] = []  # the sampling record (`SamplingParams.sampling_record`)
+        self.output_kept_ids: list[list[int] | None] = []  # the kept set where it fits `max_kept_ids`, else None
         self.prompt_logprobs: list[float] = []  # logprob of prompt token i+1 given tokens <= i
         self.prompt_top: list[tuple[list[int], list[float]]] = []
         self.finish_reason: str | None = None

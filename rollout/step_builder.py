@@ -95,7 +95,7 @@ def build_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...],
         token_ids=token_ids, positions=positions, q_lens=counts, kv_lens=kv_lens,
         block_tables=[s.block_table for s in seqs], sampling=sampling_rows(seqs), suppress_ids=suppress,
         num_top_logprobs=max((max(p.logprobs or 0, p.prompt_logprobs or 0) for p in params), default=0),
-        kind="prefill" if batch.is_prefill else "decode", target_ids=target_ids, replicas=np.array([s.replica for s in seqs], np.int32))
+        sampling_record=any(p.sampling_record for p in params), kind="prefill" if batch.is_prefill else "decode", target_ids=target_ids, replicas=np.array([s.replica for s in seqs], np.int32))
 
 
 def build_ahead_step(batch: ScheduledBatch, done: list[int], prev_rows: np.ndarray,
@@ -146,6 +146,7 @@ def build_verify_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...], dra
         token_ids=token_ids, positions=positions, q_lens=counts, kv_lens=starts + counts,
         block_tables=[s.block_table for s in seqs], sampling=sampling_rows(seqs).take(row_seq), suppress_ids=suppress,
         num_top_logprobs=max((s.params.logprobs or 0 for s in seqs), default=0), kind="verify",
+        sampling_record=any(s.params.sampling_record for s in seqs),
         logits_indices=np.arange(len(token_ids), dtype=np.int32), replicas=np.array([s.replica for s in seqs], np.int32),
         draft_ids=np.concatenate([np.append(d, -1) for d in drafts]).astype(np.int32) if rejection else None,
         draft_slots=np.concatenate([np.arange(-1, len(d), dtype=np.int32) for d in drafts]) if device_drafts else None,

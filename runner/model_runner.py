@@ -33,7 +33,7 @@ from runner.spec_decode.eagle3_launch import launch_draft_verify, launch_draft_v
 from runner.step_inputs import (  # noqa: F401  (StepBatch, MAX_SUPPRESS: re-exported for the engine)
     MAX_SUPPRESS, DeviceBatch, StepBatch, pad_replicas)
 from runner.step_program import compiled_chunk, compiled_step
-from runner.step_result import PendingStep, StepResult, sampled_rows  # noqa: F401  (re-exported)
+from runner.step_result import PendingStep, StepResult, record_rows, sampled_rows  # noqa: F401  (re-exported)
 from runner.warmup_steps import DummySteps
 
 
@@ -41,7 +41,8 @@ class ModelRunner:
     """Owns the model's device state, the paged KV caches and the compiled step programs."""
 
     def __init__(self, model: CausalLM, kv_spec: KVCacheSpec, buckets: BucketConfig,
-                 *, max_logprobs: int = 20, mesh: Mesh | None = None, backend: Backend | None = None,
+                 *, max_logprobs: int = 20, max_kept_ids: int = 16, mesh: Mesh | None = None,
+                 backend: Backend | None = None,
                  draft_head: Eagle3Head | None = None, num_scheduler_steps: int = 1,
                  draft_min_confidence: float = 0.0, num_verify_steps: int = 1) -> None:
         """`draft_min_confidence > 0`: a verification step whose sequences' first drafts all have a lower
@@ -92,6 +93,7 @@ class ModelRunner:
                                 else NamedSharding(self.mesh, PartitionSpec("data")))
         self.buckets = buckets
         self.max_logprobs = max_logprobs
+        self.max_kept_ids = max_kept_ids  # kept ids a step with a sampling record returns per row
         self.config = model.config
         self._repack = (jax.jit(functools.partial(self.backend.refresh, graphdef), donate_argnums=1)
                         if self.backend.packs_weights else None)
@@ -132,6 +134,7 @@ class ModelRunner:
             device_batch = jax.device_put(padded, shardings)
         leaves = self._leaves()
         num_top = self.max_logprobs if batch.num_top_logprobs > 0 else 0
+        num_kept = self.max_kept_ids if batch.sampling_record else 0
         multi_step = batch.num_steps is not None
         if batch.kind == "verify" and batch.draft_slots is not None:  # the EAGLE-3 head drafts in the program
             launch = launch_draft_verify_steps if multi_step else launch_draft_verify
@@ -140,14 +143,14 @@ class ModelRunner:
             if (batch.feed_rows is None) != (after is None or after.last_tokens is None):
                 raise ValueError("feed_rows need the multi-step decode call they read from (`after`), and only then")
             fed = after.last_tokens if after is not None else self._no_feed
-            return self._launch_chunk(batch, leaves, device_batch, layout.row_index, num_top, fed)
+            return self._launch_chunk(batch, leaves, device_batch, layout.row_index, num_top, fed, num_kept)
         if multi_step or batch.draft_slots is not None:
             raise ValueError(f"a {batch.kind} step takes neither num_steps nor draft_slots")
         # one step of the plain program: prefill, decode, or verification of drafts made on the host
         self.kv_caches, out, extra, aux = self._step_fn(
             *leaves, self.kv_caches, device_batch,
             num_top=num_top, token_logprobs=batch.target_ids is not None,
-            aux_layers=self.drafter.aux_layers if self.drafter is not None else ())
+            aux_layers=self.drafter.aux_layers if self.drafter is not None else (), num_kept=num_kept)
         if self.drafter is not None:  # the head's cache follows every target step, on the device
             self.drafter.fill(leaves, aux, device_batch)
         k, tokens = batch.num_top_logprobs, layout.token_index
@@ -164,7 +167,7 @@ class ModelRunner:
         return PendingStep((out, extra), finish)
 
     def _launch_chunk(self, batch: StepBatch, leaves: tuple[list[Array], list[Array]], device_batch: DeviceBatch,
-                      rows: np.ndarray, num_top: int, fed: Array) -> PendingStep:
+                      rows: np.ndarray, num_top: int, fed: Array, num_kept: int = 0) -> PendingStep:
         """A multi-step decode call: `num_scheduler_steps` steps of one row per sequence."""
         if not batch.is_decode:
             raise ValueError("multi-step decode takes plain decode batches")
@@ -179,11 +182,11 @@ class ModelRunner:
             last = None
         else:
             self.kv_caches, out, last = self._chunk_fn(*leaves, self.kv_caches, device_batch, fed, num_top=num_top,
-                                                       max_steps=steps)
+                                                       max_steps=steps, num_kept=num_kept)
         k = batch.num_top_logprobs
         return PendingStep((out,), lambda host: StepResult(
             host[0].token_ids[:, rows], host[0].logprobs[:, rows], host[0].top_ids[:, rows, :k],
-            host[0].top_logprobs[:, rows, :k]), rows=rows, last_tokens=last)
+            host[0].top_logprobs[:, rows, :k], **record_rows(host[0], (slice(None), rows))), rows=rows, last_tokens=last)
 
     def _leaves(self) -> tuple[list[Array], list[Array]]:
         """Params and rest as the flat leaf lists the compiled programs take; taken per call (not

@@ -67,12 +67,34 @@ GREEDY_EPS = 1e-5  # temperature below this is greedy (vLLM's _SAMPLING_EPS)
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplerOutput:
-    """Sampled tokens and their logprobs (in each row's logprobs mode)."""
+    """Sampled tokens and their logprobs (in each row's logprobs mode), and the sampling record."""
 
     token_ids: Int[Array, "S"]
     logprobs: Float[Array, "S"]  # logprob of the sampled token in the row's logprobs mode
     top_ids: Int[Array, "S K"]  # K = num_top_logprobs (static, may be 0); descending logprob
     top_logprobs: Float[Array, "S K"]
+    # The sampling record (`num_kept` > 0; None otherwise): log of the mass the suppression and filters
+    # kept of softmax(logits / T), the kept set's size, and its `num_kept` most likely ids (-1 past the set).
+    kept_logmass: Float[Array, "S"] | None = None
+    kept_counts: Int[Array, "S"] | None = None
+    kept_ids: Int[Array, "S M"] | None = None
+
+
+def kept_record(raw: Float[Array, "S V"], inputs: SamplingInputs, greedy: Bool[Array, "S"], divisor: Float[Array, "S"],
+                *, filtered: bool, num_kept: int, num_candidates: int = NUM_CANDIDATES
+                ) -> tuple[Float[Array, "S"], Int[Array, "S"], Int[Array, "S M"]]:
+    """Each row's kept set under the distribution it samples from (suppression, then top-k / top-p / min-p
+    when `filtered`; a greedy row's at temperature 1, as its processed logprobs): (log of its mass under
+    softmax(raw / T), its size, its `num_kept` most likely ids padded with -1). A trainer recovers the
+    processed logprob of token t as `log_softmax(logits / T)[t] - kept_logmass`."""
+    scaled = suppress(raw, inputs.suppress_ids) / divisor[:, None]
+    if filtered:
+        scaled = jnp.where(filter_mask(scaled, inputs, greedy, num_candidates), scaled, -jnp.inf)
+    log_mass = jax.nn.logsumexp(scaled, axis=1) - jax.nn.logsumexp(raw / divisor[:, None], axis=1)
+    counts = jnp.sum(scaled > -jnp.inf, axis=1).astype(jnp.int32)
+    _, ids = lax.top_k(scaled, num_kept)
+    ids = jnp.where(jnp.arange(num_kept)[None, :] < counts[:, None], ids, -1).astype(jnp.int32)
+    return log_mass, counts, ids
 
 
 def choose_mode(
@@ -158,7 +180,7 @@ def _token_logprob(logits: Float[Array, "S V"], token_ids: Int[Array, "S"]) -> F
     return picked - jax.nn.logsumexp(logits, axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("mode", "num_top_logprobs", "num_candidates"))
+@functools.partial(jax.jit, static_argnames=("mode", "num_top_logprobs", "num_candidates", "num_kept"))
 def sample(
     logits: Float[Array, "S V"],
     inputs: SamplingInputs,
@@ -166,6 +188,7 @@ def sample(
     mode: Mode,
     num_top_logprobs: int = 0,
     num_candidates: int = NUM_CANDIDATES,
+    num_kept: int = 0,
 ) -> SamplerOutput:
     """Sample one token per row and return its logprob (and top-K alternatives) in the row's mode.
 
@@ -174,9 +197,23 @@ def sample(
     Rows with temperature 0 are argmax in every mode. Filters are ignored outside "filtered".
     `num_candidates` (static): "filtered" first filters the top-C logits of each row and falls back
     to sorting whole rows only when some row's kept set may extend past them (same result).
+    `num_kept` (static) > 0: also the sampling record (`kept_record`) of every row.
     """
     if mode not in MODES:
         raise ValueError(f"unknown sampling mode {mode!r}; expected one of {MODES}")
+    out = _sample(logits, inputs, mode=mode, num_top_logprobs=num_top_logprobs, num_candidates=num_candidates)
+    if num_kept == 0:
+        return out
+    temperature = inputs.temperature.astype(jnp.float32)
+    greedy = temperature < GREEDY_EPS
+    log_mass, counts, ids = kept_record(logits.astype(jnp.float32), inputs, greedy, jnp.where(greedy, 1.0, temperature),
+                                        filtered=mode == "filtered", num_kept=num_kept, num_candidates=num_candidates)
+    return dataclasses.replace(out, kept_logmass=log_mass, kept_counts=counts, kept_ids=ids)
+
+
+def _sample(logits: Float[Array, "S V"], inputs: SamplingInputs, *, mode: Mode, num_top_logprobs: int,
+            num_candidates: int) -> SamplerOutput:
+    """`sample` without the sampling record."""
     raw = logits.astype(jnp.float32)
     num_rows, vocab = raw.shape
     temperature = inputs.temperature.astype(jnp.float32)

@@ -64,6 +64,7 @@ class StepBatch:
     sampling: SamplingRows  # [N] how each sampled row samples (N = S, or one per `logits_indices` entry)
     suppress_ids: np.ndarray  # [S, MAX_SUPPRESS] ids forbidden this step, -1 = none
     num_top_logprobs: int = 0
+    sampling_record: bool = False  # also return each sampled row's kept mass and kept ids (`SamplerOutput`)
     # what the step does: "prefill" (prompt tokens, chunks, recomputation; samples after each sequence's
     # last token if it reaches its end), "decode" (one token per sequence, or `num_steps` in one device
     # loop) or "verify" (each sequence's last token and drafts, a sampled row per token)
@@ -140,7 +141,8 @@ def sampler_mode(b: StepBatch) -> int:
     from runner.sampler import choose_mode  # runner.sampler imports this module
 
     r = b.sampling
-    return SAMPLER_MODES.index(choose_mode(r.temperature, r.top_k, r.top_p, r.min_p, processed=r.processed))
+    processed = r.processed | b.sampling_record  # a record describes the processed distribution, filters included
+    return SAMPLER_MODES.index(choose_mode(r.temperature, r.top_k, r.top_p, r.min_p, processed=processed))
 
 
 def split_replicas(b: StepBatch, num_replicas: int, blocks_per_replica: int

@@ -44,16 +44,16 @@ def _merge(graphdef: nnx.GraphDef, params_def: jax.tree_util.PyTreeDef, rest_def
 
 def _step(graphdef: nnx.GraphDef, params_def: jax.tree_util.PyTreeDef, rest_def: jax.tree_util.PyTreeDef,
           kv_sharding: NamedSharding | None, param_leaves: list[Array], rest_leaves: list[Array], kv_caches: KVCaches,
-          batch: DeviceBatch, *, num_top: int, token_logprobs: bool, aux_layers: tuple[int, ...] = ()
-          ) -> tuple[KVCaches, SamplerOutput, TokenLogprobs | None, Float[Array, "R T A"]]:
+          batch: DeviceBatch, *, num_top: int, token_logprobs: bool, aux_layers: tuple[int, ...] = (),
+          num_kept: int = 0) -> tuple[KVCaches, SamplerOutput, TokenLogprobs | None, Float[Array, "R T A"]]:
     model = _merge(graphdef, params_def, rest_def, param_leaves, rest_leaves)
     return forward_and_sample(model, kv_caches, batch, num_top=num_top, token_logprobs=token_logprobs,
-                              aux_layers=aux_layers, kv_sharding=kv_sharding)
+                              aux_layers=aux_layers, kv_sharding=kv_sharding, num_kept=num_kept)
 
 
 def forward_and_sample(model: CausalLM, kv_caches: KVCaches, batch: DeviceBatch, *, num_top: int,
-                       token_logprobs: bool, aux_layers: tuple[int, ...] = (), kv_sharding: NamedSharding | None = None
-                       ) -> tuple[KVCaches, SamplerOutput, TokenLogprobs | None, Float[Array, "R T A"]]:
+                       token_logprobs: bool, aux_layers: tuple[int, ...] = (), kv_sharding: NamedSharding | None = None,
+                       num_kept: int = 0) -> tuple[KVCaches, SamplerOutput, TokenLogprobs | None, Float[Array, "R T A"]]:
     """One step's forward over the paged cache (per replica) and sampling of its rows.
 
     `kv_sharding`: the caches' layout on a mesh, pinned on the updated caches; left to XLA's
@@ -79,7 +79,7 @@ def forward_and_sample(model: CausalLM, kv_caches: KVCaches, batch: DeviceBatch,
         kv_caches = tuple(jax.lax.with_sharding_constraint(kv, kv_sharding) for kv in kv_caches)
     flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731  [R, N, ...] -> [R * N, ...]
     logits = model.compute_logits(flat(rows_hidden))
-    branches = [functools.partial(sample, mode=m, num_top_logprobs=num_top) for m in SAMPLER_MODES]
+    branches = [functools.partial(sample, mode=m, num_top_logprobs=num_top, num_kept=num_kept) for m in SAMPLER_MODES]
     out = jax.lax.switch(batch.mode, branches, logits, jax.tree.map(flat, batch.sampling))
     extra = None
     if token_logprobs:
@@ -97,7 +97,7 @@ StepHook = Callable[[LoopState, DeviceBatch, Float[Array, "R T A"], Int[Array, "
 
 def decode_loop(model: CausalLM, kv_caches: KVCaches, batch: DeviceBatch, state: LoopState, *, num_top: int,
                 max_steps: int, kv_sharding: NamedSharding | None, aux_layers: tuple[int, ...] = (),
-                after_step: StepHook | None = None) -> tuple[KVCaches, SamplerOutput, LoopState]:
+                after_step: StepHook | None = None, num_kept: int = 0) -> tuple[KVCaches, SamplerOutput, LoopState]:
     """Up to `max_steps` decode steps in one device loop (multi-step decode); outputs are `[max_steps, R * N]`.
 
     Step t feeds each row the token sampled at step t - 1 at position `positions + t`. A row stays
@@ -122,7 +122,7 @@ def decode_loop(model: CausalLM, kv_caches: KVCaches, batch: DeviceBatch, state:
             md=dataclasses.replace(md, slot_mapping=slots, kv_lens=jnp.where(chunk.num_steps > 0, positions + 1, 0)),
             sampling=dataclasses.replace(sampling, positions=positions + 1, suppress_ids=suppress), chunk=None)
         kv, out, _, aux = forward_and_sample(model, kv, step, num_top=num_top, token_logprobs=False,
-                                             aux_layers=aux_layers, kv_sharding=kv_sharding)
+                                             aux_layers=aux_layers, kv_sharding=kv_sharding, num_kept=num_kept)
         if after_step is not None:
             prev_slots = paged_slots(md.page_indices, positions - 1, page_size, num_slots, active)
             state = after_step(state, step, aux, prev_slots)
@@ -132,9 +132,12 @@ def decode_loop(model: CausalLM, kv_caches: KVCaches, batch: DeviceBatch, state:
         return t + 1, kv, sampled, active & ~stopped & (t + 1 < chunk.num_steps), outs, state
 
     num_rows = batch.token_ids.shape[0] * batch.token_ids.shape[1]
+    record = {} if num_kept == 0 else dict(
+        kept_logmass=jnp.zeros((max_steps, num_rows), jnp.float32), kept_counts=jnp.zeros((max_steps, num_rows), jnp.int32),
+        kept_ids=jnp.zeros((max_steps, num_rows, num_kept), jnp.int32))
     outs = SamplerOutput(jnp.zeros((max_steps, num_rows), jnp.int32), jnp.zeros((max_steps, num_rows), jnp.float32),
                          jnp.zeros((max_steps, num_rows, num_top), jnp.int32),
-                         jnp.zeros((max_steps, num_rows, num_top), jnp.float32))
+                         jnp.zeros((max_steps, num_rows, num_top), jnp.float32), **record)
     carry = (jnp.int32(0), kv_caches, batch.token_ids, chunk.num_steps > 0, outs, state)
     _, kv_caches, _, _, outs, state = jax.lax.while_loop(lambda c: jnp.any(c[3]), body, carry)
     return kv_caches, outs, state
@@ -143,7 +146,7 @@ def decode_loop(model: CausalLM, kv_caches: KVCaches, batch: DeviceBatch, state:
 def _decode_chunk(graphdef: nnx.GraphDef, params_def: jax.tree_util.PyTreeDef, rest_def: jax.tree_util.PyTreeDef,
                   kv_sharding: NamedSharding | None, param_leaves: list[Array], rest_leaves: list[Array],
                   kv_caches: KVCaches, batch: DeviceBatch, prev_last: Int[Array, "M"], *, num_top: int,
-                  max_steps: int) -> tuple[KVCaches, SamplerOutput, Int[Array, "M"]]:
+                  max_steps: int, num_kept: int = 0) -> tuple[KVCaches, SamplerOutput, Int[Array, "M"]]:
     """Multi-step decode (`decode_loop`) of the model given as leaves.
 
     Rows with `chunk.feed_rows >= 0` take their input token from `prev_last` (the previous call's last
@@ -154,7 +157,7 @@ def _decode_chunk(graphdef: nnx.GraphDef, params_def: jax.tree_util.PyTreeDef, r
     fed = jnp.where(chunk.feed_rows >= 0, prev_last[jnp.maximum(chunk.feed_rows, 0)], batch.token_ids)
     batch = dataclasses.replace(batch, token_ids=fed.astype(batch.token_ids.dtype))
     kv_caches, outs, _ = decode_loop(model, kv_caches, batch, (), num_top=num_top, max_steps=max_steps,
-                                     kv_sharding=kv_sharding)
+                                     kv_sharding=kv_sharding, num_kept=num_kept)
     last_step = jnp.maximum(chunk.num_steps - 1, 0).reshape(-1)
     last = outs.token_ids[last_step, jnp.arange(last_step.shape[0])]
     return kv_caches, outs, jnp.zeros_like(prev_last).at[:last.shape[0]].set(last)
@@ -171,7 +174,7 @@ def compiled_step(graphdef: nnx.GraphDef, params_def: jax.tree_util.PyTreeDef, r
     handling of ~300 `nnx.Variable` nodes cost ~1.5 ms per step on CPU (a B=1 decode step is ~35 ms).
     """
     return jax.jit(functools.partial(_step, graphdef, params_def, rest_def, kv_sharding),
-                   static_argnames=("num_top", "token_logprobs", "aux_layers"), donate_argnums=(2,))
+                   static_argnames=("num_top", "token_logprobs", "aux_layers", "num_kept"), donate_argnums=(2,))
 
 
 @functools.lru_cache(maxsize=None)
@@ -179,4 +182,4 @@ def compiled_chunk(graphdef: nnx.GraphDef, params_def: jax.tree_util.PyTreeDef, 
                    kv_sharding: NamedSharding | None = None) -> Callable[..., tuple[KVCaches, SamplerOutput]]:
     """The jitted multi-step decode program of one model structure (shared like `compiled_step`)."""
     return jax.jit(functools.partial(_decode_chunk, graphdef, params_def, rest_def, kv_sharding),
-                   static_argnames=("num_top", "max_steps"), donate_argnums=(2,))
+                   static_argnames=("num_top", "max_steps", "num_kept"), donate_argnums=(2,))

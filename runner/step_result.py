@@ -28,6 +28,10 @@ class StepResult:
     token_top_logprobs: Float[np.ndarray, "T K"] | None = None
     draft_ids: Int[np.ndarray, "steps S k"] | None = None  # drafts made on the device (`StepBatch.draft_slots`)
     verified: bool = True  # False: the head was unsure and the step decoded plainly (drafts all -1)
+    # the sampling record (`StepBatch.sampling_record`; see `runner.sampler.SamplerOutput`)
+    kept_logmass: Float[np.ndarray, "steps rows"] | None = None
+    kept_counts: Int[np.ndarray, "steps rows"] | None = None
+    kept_ids: Int[np.ndarray, "steps rows M"] | None = None
 
     @property
     def steps(self) -> int:
@@ -47,4 +51,11 @@ class PendingStep:
 def sampled_rows(out: SamplerOutput, rows: np.ndarray, num_top: int) -> StepResult:
     """The sampled rows of a one-step (host) output in the batch's order, `num_top` alternatives each."""
     return StepResult(out.token_ids[None, rows], out.logprobs[None, rows], out.top_ids[None, rows, :num_top],
-                      out.top_logprobs[None, rows, :num_top])
+                      out.top_logprobs[None, rows, :num_top], **record_rows(out, (None, rows)))
+
+
+def record_rows(out: SamplerOutput, index: tuple) -> dict[str, np.ndarray]:
+    """The sampling record's fields of `out` at `index` (host arrays), or none without a record."""
+    if out.kept_logmass is None:
+        return {}
+    return dict(kept_logmass=out.kept_logmass[index], kept_counts=out.kept_counts[index], kept_ids=out.kept_ids[index])

@@ -3,6 +3,7 @@ reward -> loss/update -> sync_weights, the task's reward, the advantage estimato
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -96,6 +97,24 @@ def test_grpo_two_steps_tiny() -> None:
 
     engine_after = _greedy_logprobs(trainer.engine, probe)
     assert np.abs(engine_after - engine_before).max() > 1e-4, "engine outputs should change after sync_weights"
+
+
+def test_async_grpo_three_steps_tiny() -> None:
+    """Rollouts one version ahead: every token's version is recorded and at most one behind the trainer;
+    the renormalised ratio against the engine's processed logprob is 1 on the tokens sampled by the
+    weights being trained (float32), and the parameters move."""
+    import asyncio
+
+    import async_grpo
+
+    cfg = async_grpo.AsyncConfig(tiny=True, steps=3, prompts_per_step=2, group_size=4, max_tokens=8, lr=1e-2,
+                                 train_layers=1, out_dir=None, top_k=5,
+                                 reward_fn=lambda text, _p: float(sum(map(ord, text)) % 7))
+    cfg = dataclasses.replace(cfg, advantage_fn=lambda r, g: (r - r.mean()).astype(np.float32))
+    logs = asyncio.run(async_grpo.train(cfg, log=lambda _line: None))
+    assert len(logs) == 3 and all(np.isfinite(x.loss) and x.grad_norm > 0 for x in logs)
+    assert logs[0].mismatch_max < 1e-5  # step 0: sampled and trained under version 0
+    assert [x.policy_version for x in logs][0] == 0 and all(x.policy_version <= x.step for x in logs)
 
 
 def test_calculator_tool() -> None:

@@ -127,3 +127,20 @@ def test_expert_parallel_meshes_give_the_same_tokens(checkpoint: tuple[object, P
     for a, b in zip(one, engine.generate(prompts, sp)):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         np.testing.assert_allclose(a.outputs[0].logprobs.values, b.outputs[0].logprobs.values, atol=2e-5)
+
+
+@pytest.mark.parametrize("num_tokens", [16, 40, 300])
+def test_segment_loop_equals_ragged_dot(checkpoint: tuple[object, Path], num_tokens: int) -> None:
+    """The CPU backend's expert loop over row windows (`SparseMoE._segments`) gives ragged_dot's result,
+    with segments shorter and longer than a window and experts nobody chose; the CPU engine uses it."""
+    _, path = checkpoint
+    model, _ = load_model(str(path))
+    block = model.layers[0].mlp
+    x = jnp.asarray(np.random.default_rng(num_tokens).standard_normal((num_tokens, model.config.hidden_size)),
+                    jnp.float32)
+    want = np.asarray(block(x))
+    block.grouped_matmul = "segments"
+    np.testing.assert_allclose(np.asarray(block(x)), want, atol=2e-5)
+    engine = Engine.from_model(model, ByteTokenizer(), **KW)
+    assert engine.runner.model.layers[0].mlp.grouped_matmul == ("segments" if engine.stats().backend == "cpu"
+                                                                 else "ragged_dot")

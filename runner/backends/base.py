@@ -73,6 +73,8 @@ class Backend:
                 sub.matmul, sub.packed = XLA_MATMUL, nnx.data(None)
             elif hasattr(sub, "head_matmul"):
                 sub.head_matmul, sub.packed_head = XLA_MATMUL_NT, nnx.data(None)
+            elif hasattr(sub, "grouped_matmul"):  # a mixture of experts
+                sub.grouped_matmul = "ragged_dot"
         return copy
 
     @property

@@ -21,6 +21,9 @@ from jaxtyping import Array, Float, Int
 from runner.models.config import ModelConfig
 
 
+SEGMENTS_FROM = 4  # "segments" takes steps of at least this many (token, expert) pairs per expert (else ragged_dot)
+
+
 class ExpertWeight(nnx.Module):
     """A `[in, out]` kernel read by the block (the router), or `[E, in, out]`: one per expert."""
 
@@ -48,8 +51,9 @@ class SparseMoE(nnx.Module):
         self.config = cfg
         self.gate = ExpertWeight(cfg.hidden_size, cfg.num_experts, cfg=cfg, rngs=rngs)  # the router
         self.experts = Experts(cfg, rngs)
-        # the grouped matmul the backend picked: "ragged_dot" (XLA), or JAX's Megablox `gmm` kernel on a
-        # TPU ("megablox"; "megablox_interpret" runs it in Pallas interpret mode anywhere)
+        # the grouped matmul the backend picked: "ragged_dot" (XLA), JAX's Megablox `gmm` kernel on a TPU
+        # ("megablox"; "megablox_interpret" runs it in Pallas interpret mode anywhere), or "segments"
+        # (the CPU backend's: a loop over fixed-size row windows of each expert's segment, `_segments`)
         self.grouped_matmul = "ragged_dot"
 
     def route(self, x: Float[Array, "N H"]) -> tuple[Float[Array, "N k"], jax.Array]:
@@ -83,6 +87,9 @@ class SparseMoE(nnx.Module):
         token = order // k
         sizes = jnp.bincount(experts.reshape(-1), length=self.config.num_experts).astype(jnp.int32)
         xs = x[token]
+        if self.grouped_matmul == "segments" and xs.shape[0] >= SEGMENTS_FROM * self.config.num_experts:
+            ys = self._segments(xs, sizes) * weights.reshape(-1)[order][:, None]
+            return jnp.zeros_like(x).at[token].add(ys)
         h = (jax.nn.silu(self._gmm(xs, self._stacked("gate_proj", x.dtype), sizes))
              * self._gmm(xs, self._stacked("up_proj", x.dtype), sizes))
         ys = self._gmm(h, self._stacked("down_proj", x.dtype), sizes) * weights.reshape(-1)[order][:, None]
@@ -101,10 +108,35 @@ class SparseMoE(nnx.Module):
         ys = project("down_proj", h) * weights.reshape(-1)[:, None]
         return ys.reshape(x.shape[0], -1, x.shape[1]).sum(axis=1)
 
+    def _segments(self, xs: Float[Array, "P H"], sizes: Int[Array, "E"]) -> Float[Array, "P H"]:
+        """The expert MLP of rows sorted by expert (`sizes` each), one window of `rows` rows of one expert's
+        segment per loop iteration (E + P / rows iterations; each reads its expert's weights): the work
+        of the chosen (token, expert) pairs only, where XLA:CPU's `ragged_dot` multiplies every row by
+        every expert. Rows of a window past its segment are computed and dropped."""
+        num_pairs, num_experts = xs.shape[0], self.config.num_experts
+        rows = int(min(64, max(8, 1 << max(0, (num_pairs // num_experts - 1).bit_length()))))
+        starts = jnp.cumsum(sizes) - sizes
+        padded = jnp.pad(xs, ((0, rows), (0, 0)))
+        gate, up, down = (self._stacked(n, xs.dtype) for n in ("gate_proj", "up_proj", "down_proj"))
+
+        def body(state: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
+            e, window, out = state
+            start = starts[e] + window * rows
+            x = jax.lax.dynamic_slice_in_dim(padded, start, rows)
+            y = (jax.nn.silu(x @ gate[e]) * (x @ up[e])) @ down[e]
+            keep = (jnp.arange(rows) < sizes[e] - window * rows)[:, None]
+            out = jax.lax.dynamic_update_slice_in_dim(
+                out, jnp.where(keep, y, jax.lax.dynamic_slice_in_dim(out, start, rows)), start, 0)
+            more = (window + 1) * rows < sizes[e]
+            return jnp.where(more, e, e + 1), jnp.where(more, window + 1, 0), out
+
+        init = (jnp.int32(0), jnp.int32(0), jnp.zeros_like(padded))
+        return jax.lax.while_loop(lambda state: state[0] < num_experts, body, init)[2][:num_pairs]
+
     def _gmm(self, lhs: Float[Array, "M K"], rhs: Float[Array, "E K N"], group_sizes: Int[Array, "E"]
              ) -> Float[Array, "M N"]:
         """Rows of `lhs` (grouped by expert, `group_sizes` each) times their group's `rhs`."""
-        if self.grouped_matmul == "ragged_dot":
+        if not self.grouped_matmul.startswith("megablox"):  # "ragged_dot", and "segments" on small steps
             return jax.lax.ragged_dot(lhs, rhs, group_sizes)
         from jax.experimental.pallas.ops.tpu.megablox import gmm
 

@@ -98,6 +98,9 @@ class CpuBackend(Backend):
         `Linear` (and a tied output projection) gets a `CpuMatmul`, and with AMX (`pack`) a packed copy
         of its float32 weight where the shape fits."""
         copy = super().prepare(module)
+        for _, sub in nnx.iter_modules(copy):
+            if hasattr(sub, "grouped_matmul"):  # a mixture of experts: XLA:CPU's ragged_dot multiplies every expert
+                sub.grouped_matmul = "segments"
         if not self.row_kernel.available:
             return copy
         for _, sub in nnx.iter_modules(copy):
