@@ -3,7 +3,9 @@ the chosen (token, expert) pairs sorted by expert and computed as grouped matmul
 each expert multiplies only its own tokens, never a dense all-experts product). A step with at most
 `num_experts` (token, expert) pairs (decode at small batch) instead gathers each pair's expert weights
 and multiplies them directly: it reads only the chosen experts, which is what a memory-bound decode
-step pays for (and XLA:CPU lowers `ragged_dot` to a masked product over every expert). Where the step is mapped
+step pays for. XLA:CPU lowers `ragged_dot` to a masked product over every expert, so the CPU backend
+("segments") loops over row windows of each expert's segment, or, where nearly every expert is chosen
+anyway (fewer than `SEGMENTS_FROM` pairs per expert), multiplies every expert once. Where the step is mapped
 over data-parallel replicas (on a mesh), jax 0.10.2 has no batching rule for `ragged_dot`: there every
 expert runs on every token, weighted by the routing (exact, E / k times the work).
 
@@ -21,7 +23,9 @@ from jaxtyping import Array, Float, Int
 from runner.models.config import ModelConfig
 
 
-SEGMENTS_FROM = 4  # "segments" takes steps of at least this many (token, expert) pairs per expert (else ragged_dot)
+# "segments" (the CPU backend) loops over row windows from this many (token, expert) pairs per expert; from
+# one to this many it multiplies every expert densely (each expert's weights are read once either way)
+SEGMENTS_FROM = 4
 
 
 class ExpertWeight(nnx.Module):
@@ -68,8 +72,12 @@ class SparseMoE(nnx.Module):
     def __call__(self, x: Float[Array, "... H"]) -> Float[Array, "... H"]:
         flat = x.reshape(-1, x.shape[-1])
         weights, experts = self.route(flat)
-        if flat.shape[0] * self.config.num_experts_per_tok <= self.config.num_experts:
+        pairs, num_experts = flat.shape[0] * self.config.num_experts_per_tok, self.config.num_experts
+        if pairs <= num_experts:
             return self._gathered(flat, weights, experts).reshape(x.shape)
+        if self.grouped_matmul == "segments" and pairs < SEGMENTS_FROM * num_experts:
+            # nearly every expert is chosen: reading each once (the dense product) is what the step costs anyway
+            return self._dense(flat, weights, experts).reshape(x.shape)
         try:
             out = self._grouped(flat, weights, experts)
         except NotImplementedError:  # jax 0.10.2's ragged_dot cannot be vmapped here (a step mapped over mesh replicas)
@@ -87,7 +95,7 @@ class SparseMoE(nnx.Module):
         token = order // k
         sizes = jnp.bincount(experts.reshape(-1), length=self.config.num_experts).astype(jnp.int32)
         xs = x[token]
-        if self.grouped_matmul == "segments" and xs.shape[0] >= SEGMENTS_FROM * self.config.num_experts:
+        if self.grouped_matmul == "segments":
             ys = self._segments(xs, sizes) * weights.reshape(-1)[order][:, None]
             return jnp.zeros_like(x).at[token].add(ys)
         h = (jax.nn.silu(self._gmm(xs, self._stacked("gate_proj", x.dtype), sizes))
@@ -136,7 +144,7 @@ class SparseMoE(nnx.Module):
     def _gmm(self, lhs: Float[Array, "M K"], rhs: Float[Array, "E K N"], group_sizes: Int[Array, "E"]
              ) -> Float[Array, "M N"]:
         """Rows of `lhs` (grouped by expert, `group_sizes` each) times their group's `rhs`."""
-        if not self.grouped_matmul.startswith("megablox"):  # "ragged_dot", and "segments" on small steps
+        if not self.grouped_matmul.startswith("megablox"):
             return jax.lax.ragged_dot(lhs, rhs, group_sizes)
         from jax.experimental.pallas.ops.tpu.megablox import gmm
 
