@@ -161,7 +161,10 @@ class SparseMoE(nnx.Module):
         """Every expert on every token, weighted by the routing (zero where not chosen): the same sums."""
         per_expert = jnp.zeros((x.shape[0], self.config.num_experts), x.dtype)
         per_expert = per_expert.at[jnp.arange(x.shape[0])[:, None], experts].add(weights)
-        h = (jax.nn.silu(jnp.einsum("nh,ehi->eni", x, self._stacked("gate_proj", x.dtype)))
-             * jnp.einsum("nh,ehi->eni", x, self._stacked("up_proj", x.dtype)))
+        # x broadcast over the experts: a batched matmul reads each `[E, in, out]` kernel as it is stored
+        # (with x unbatched, XLA:CPU transposed every expert kernel in every step)
+        xs = jnp.broadcast_to(x, (self.config.num_experts, *x.shape))
+        h = (jax.nn.silu(jnp.einsum("enh,ehi->eni", xs, self._stacked("gate_proj", x.dtype)))
+             * jnp.einsum("enh,ehi->eni", xs, self._stacked("up_proj", x.dtype)))
         y = jnp.einsum("eni,eih->enh", h, self._stacked("down_proj", x.dtype))
         return jnp.einsum("ne,enh->nh", per_expert, y)
