@@ -113,7 +113,7 @@ async def rollout(trainer: AsyncTrainer, aengine: AsyncEngine, step: int) -> tup
 async def train(cfg: AsyncConfig, log=print) -> list[grpo.StepLog]:
     trainer = AsyncTrainer(cfg)
     aengine = AsyncEngine(trainer.engine)
-    logs, lines = [], []
+    logs = []
     pending = asyncio.create_task(rollout(trainer, aengine, 0))
     for step in range(cfg.steps):
         t_step = time.perf_counter()
@@ -150,26 +150,31 @@ async def train(cfg: AsyncConfig, log=print) -> list[grpo.StepLog]:
             **rl.mismatch(packed["old_logprobs"], trainer_lp, packed["mask"]),
             rollout_s=rollout_s, train_s=train_s, sync_s=sync_s, rollout_tok_s=ntok / max(rollout_s, 1e-9),
             policy_version=int(versions.max()) if versions.size else None))
-        lines.append(f"{grpo.format_log(logs[-1])}  waited {wait_s:4.1f}s  step {time.perf_counter() - t_step:5.1f}s  "
-                     f"versions {sorted(set(versions.tolist()))}")
-        log(lines[-1])
+        log(f"{grpo.format_log(logs[-1])}  waited {wait_s:4.1f}s  step {time.perf_counter() - t_step:5.1f}s  "
+            f"versions {sorted(set(versions.tolist()))}")
     await aengine.close()
-    trainer.lines = lines
     return logs
 
 
 def main(argv: list[str] | None = None) -> None:
     cfg = grpo.parse_args(argv, AsyncConfig())
     t0 = time.perf_counter()
-    logs = asyncio.run(train(cfg))
+    lines: list[str] = []
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+        lines.append(line)
+    logs = asyncio.run(train(cfg, log=log))
     total = time.perf_counter() - t0
     k = min(5, len(logs))
     summary = dict(name=cfg.name, steps=cfg.steps, first5_reward=float(np.mean([r.reward for r in logs[:k]])),
                    last5_reward=float(np.mean([r.reward for r in logs[-k:]])), total_s=total,
                    seconds_per_step=total / len(logs), max_mismatch=max(r.mismatch_max for r in logs))
-    print(json.dumps(summary))
+    log(json.dumps(summary))
     if cfg.out_dir is not None:
         rl.write_results(cfg.out_dir, cfg.name, [dataclasses.asdict(r) for r in logs], summary)
+        command = "python " + " ".join(sys.argv)
+        (Path(cfg.out_dir) / f"{cfg.name}_log.txt").write_text("$ " + command + "\n" + "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
