@@ -380,8 +380,11 @@ def test_the_engine_steps_take_choose_mode() -> None:
     rows = dict(temperature=np.array([1.0, 0.0], np.float32), top_k=np.array([0, 50], np.int32),
                 top_p=np.ones(2, np.float32), min_p=np.zeros(2, np.float32))
     for processed, want in (([False, False], "random"), ([False, True], "filtered")):
-        step = SimpleNamespace(sampling=SimpleNamespace(**rows, processed=np.array(processed)))
+        step = SimpleNamespace(sampling=SimpleNamespace(**rows, processed=np.array(processed)), sampling_record=False)
         assert SAMPLER_MODES[sampler_mode(step)] == want == choose_mode(**rows, processed=np.array(processed))
+    # a sampling record describes the processed distribution: the greedy row's top-k then counts
+    step = SimpleNamespace(sampling=SimpleNamespace(**rows, processed=np.zeros(2, bool)), sampling_record=True)
+    assert SAMPLER_MODES[sampler_mode(step)] == "filtered"
 
 
 def test_unknown_mode_raises(small_logits: np.ndarray) -> None:
