@@ -95,6 +95,8 @@ def paged_attention(
             return cpu_paged_attention(queries, kv_pages, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
                                        sm_scale=sm_scale)
     elif md.impl.startswith("pallas_") and md.max_q_len == 1 and queries.shape[0] == md.page_indices.shape[0]:
+        if kv_pages.dtype == jnp.uint16:  # bfloat16 bits (a CPU backend's cache: tests of the kernels)
+            kv_pages = jax.lax.bitcast_convert_type(kv_pages, jnp.bfloat16)
         return _pallas_decode(queries, kv_pages, md.kv_lens, md.page_indices, sm_scale=sm_scale,
                               platform=md.impl.split("_")[1], interpret=md.impl.endswith("_interpret"))
     return ragged_paged_attention(queries, kv_pages, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
@@ -180,6 +182,15 @@ def paged_slots(page_indices: Int[Array, "... W"], positions: Int[Array, "..."],
     return jnp.where(ok, blocks * page_size + positions % page_size, num_slots)
 
 
+def cache_values(x: Array, cache_dtype: jnp.dtype) -> Array:
+    """`x` as stored in a cache of `cache_dtype`: a uint16 cache holds bfloat16 bits (the CPU backend's
+    bfloat16 cache: XLA:CPU scatters bfloat16 by converting the whole cache to float32 and back, in every
+    layer of every step; uint16 it scatters in place)."""
+    if cache_dtype == jnp.uint16:
+        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
+    return x.astype(cache_dtype)
+
+
 def write_kv(
     kv_pages: Float[Array, "2 Hkv P page D"],
     k: Float[Array, "T Hkv D"],
@@ -187,7 +198,8 @@ def write_kv(
     slot_mapping: Int[Array, "T"],
 ) -> Float[Array, "2 Hkv P page D"]:
     """Scatter this step's K and V into their slots; out-of-range slots are dropped. A cache in the TPU
-    ragged layout (`[P, page, 2 * Hkv, D]`) takes K of head h at 2h and V at 2h + 1.
+    ragged layout (`[P, page, 2 * Hkv, D]`) takes K of head h at 2h and V at 2h + 1; a uint16 cache
+    holds bfloat16 bits (`cache_values`).
 
     One scatter of `head_dim` rows indexed by (page, offset), with the K/V and head axes as explicit
     batching dimensions: XLA:CPU updates the cache in place (a scatter along an inner axis made it
@@ -199,14 +211,14 @@ def write_kv(
         num_pages, page_size, combined, head_dim = kv_pages.shape
         in_range = (slot_mapping >= 0) & (slot_mapping < num_pages * page_size)
         page = jnp.where(in_range, slot_mapping // page_size, num_pages)  # past the last page: dropped
-        updates = jnp.stack([k, v], axis=2).reshape(k.shape[0], combined, head_dim).astype(kv_pages.dtype)
+        updates = cache_values(jnp.stack([k, v], axis=2).reshape(k.shape[0], combined, head_dim), kv_pages.dtype)
         return kv_pages.at[page, slot_mapping % page_size].set(updates, mode="drop")
     two, num_kv_heads, num_pages, page_size, _ = kv_pages.shape
     in_range = (slot_mapping >= 0) & (slot_mapping < num_pages * page_size)
     page = jnp.where(in_range, slot_mapping // page_size, num_pages)  # past the last page: dropped
     index = jnp.stack([page, slot_mapping % page_size], axis=-1).astype(jnp.int32)  # [T, 2]
     index = jnp.broadcast_to(index, (two, num_kv_heads, *index.shape))
-    updates = jnp.stack([k, v]).transpose(0, 2, 1, 3).astype(kv_pages.dtype)  # [2, Hkv, T, D]
+    updates = cache_values(jnp.stack([k, v]).transpose(0, 2, 1, 3), kv_pages.dtype)  # [2, Hkv, T, D]
     dims = jax.lax.ScatterDimensionNumbers(
         update_window_dims=(3,), inserted_window_dims=(2, 3), scatter_dims_to_operand_dims=(2, 3),
         operand_batching_dims=(0, 1), scatter_indices_batching_dims=(0, 1))

@@ -82,7 +82,7 @@ class ModelRunner:
         self.rest = jax.device_put(jax.tree.map(lambda x: jnp.array(x, copy=True), rest),
                                    NamedSharding(self.mesh, PartitionSpec()))
         self.kv_spec = kv_spec
-        self._kv_layout = (kv_shape, kv_spec.dtype, kv_spec.num_layers, kv_sharding)
+        self._kv_layout = (kv_shape, self.backend.kv_cache_dtype(kv_spec.dtype), kv_spec.num_layers, kv_sharding)
         self.kv_caches: KVCaches | None = allocate_kv_caches(*self._kv_layout)  # None while released
         self._offloaded: tuple[list[np.ndarray], list[np.ndarray]] | None = None  # weights on the host (`release`)
         self._scalar_sharding = NamedSharding(self.mesh, PartitionSpec())

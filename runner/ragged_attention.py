@@ -223,7 +223,7 @@ def _take_pages(kv_pages: Float[Array, "2 Hkv P page D"], idx: Int[Array, "N"]
     K and V per head (the reference path of that layout: a transposing copy per chunk).
     """
     if kv_pages.ndim == 4:
-        pages = jnp.take(kv_pages, idx, axis=0, mode="clip")  # [N, page, 2 * Hkv, D]
+        pages = _as_values(jnp.take(kv_pages, idx, axis=0, mode="clip"))  # [N, page, 2 * Hkv, D]
         n, page_size, combined, head_dim = pages.shape
         pages = pages.reshape(n, page_size, combined // 2, 2, head_dim).transpose(3, 2, 0, 1, 4)
         pages = pages.reshape(2, combined // 2, n, page_size * head_dim)
@@ -238,7 +238,12 @@ def _take_pages(kv_pages: Float[Array, "2 Hkv P page D"], idx: Int[Array, "N"]
         return jax.lax.gather(head_rows, index, dims, slice_sizes=(1, 1, page_size * head_dim),
                               mode=jax.lax.GatherScatterMode.CLIP)
 
-    return take(rows[0]), take(rows[1])
+    return _as_values(take(rows[0])), _as_values(take(rows[1]))
+
+
+def _as_values(x: Array) -> Array:
+    """Gathered cache entries as values: a uint16 cache holds bfloat16 bits (`runner.attention.cache_values`)."""
+    return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == jnp.uint16 else x
 
 
 def soft_capped(scores: Array, soft_cap: float | None) -> Array:

@@ -64,6 +64,44 @@ def test_values_match_float64_reference(m: int, k: int, n: int) -> None:
 
 
 @needs_amx
+@pytest.mark.parametrize("m, k, n", [(1, 32, 16), (9, 96, 48), (70, 576, 1536)])
+def test_bfloat16_weights_take_one_exact_product(m: int, k: int, n: int) -> None:
+    """A bfloat16 kernel packs as one part (its bits); with bfloat16 activations every product is exact and
+    the float32 sums round once to bfloat16: within one bfloat16 rounding of the float64 product."""
+    rng = np.random.default_rng(m + k + n)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((k, n)) * 0.05, jnp.bfloat16)
+    packed = pack_kernel(w)
+    assert packed.shape == (n // 16, k // 32, 1, 16, 16, 2)
+    np.testing.assert_array_equal(np.asarray(unpack_kernel(packed)), np.asarray(w, np.float32))
+    got = np.asarray(jax.jit(amx_matmul)(x, packed))
+    assert got.dtype == jnp.bfloat16
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    scale = np.abs(np.asarray(x, np.float64)) @ np.abs(np.asarray(w, np.float64))
+    assert np.max(np.abs(got.astype(np.float64) - want) / scale) < 2.0**-8
+
+
+@needs_amx
+def test_a_bfloat16_engine_runs_its_matmuls_on_amx() -> None:
+    """A bfloat16 model on the CPU backend: every Linear and the tied head packed in one part, the KV cache
+    kept as bfloat16 bits, and greedy tokens equal to the reference backend's (XLA's bfloat16 dots)."""
+    cfg = ModelConfig(family="llama", vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+                      max_position_embeddings=128, dtype="bfloat16", param_dtype="bfloat16")
+    model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
+    kw = dict(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=32)
+    cpu, ref = (Engine.from_model(model, ByteTokenizer(), backend=b, **kw) for b in ("cpu", "reference"))
+    assert cpu.stats().cpu_amx == "ok" and cpu.runner.kv_caches[0].dtype == jnp.uint16
+    layer = cpu.runner.model.layers[0].self_attn.q_proj
+    assert layer.packed is not None and layer.packed[...].shape[2] == 1
+    prompts = [[5, 9, 33, 2, 71], [8] * 12]
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+    for a, b in zip(cpu.generate(prompts, sp), ref.generate(prompts, sp)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        np.testing.assert_allclose(a.outputs[0].logprobs.values, b.outputs[0].logprobs.values, atol=5e-2)
+
+
+@needs_amx
 def test_rows_do_not_depend_on_each_other() -> None:
     """Row r of an M-row product is bitwise the product of that row alone, or within any other batch."""
     rng = np.random.default_rng(1)

@@ -92,6 +92,10 @@ class Backend:
         ~3x faster than an 8-row one)."""
         return 1, 32
 
+    def kv_cache_dtype(self, dtype: str) -> str:
+        """The dtype a KV cache of `dtype` values is stored in (the CPU backend keeps bfloat16 as its bits)."""
+        return dtype
+
     def kv_cache_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """One layer's KV cache shape in this backend's layout, from the engine's
         `[replicas, 2, kv_heads, pages, page_size, head_dim]`: kept, except for the TPU ragged kernel's

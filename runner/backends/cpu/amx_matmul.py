@@ -12,6 +12,12 @@ float32 kernel (a `PackedKernel` of each `Linear`, added by the CPU backend, `ru
 which packs them again whenever the parameters change (`sync_weights`). Each output tile is summed over k in one
 fixed order, so a row's result does not depend on the other rows of the step.
 
+A bfloat16 model's weights are packed with one part (`pack_kernel` of a bfloat16 kernel: its top bits are
+all of it), and its activations are bfloat16 values too: the kernel then makes the one exact product per
+tile, float32 sums of bfloat16 products (a bfloat16 matmul with float32 accumulation, as XLA's and
+PyTorch's CPU bfloat16 dots), reading 2 bytes per weight; XLA's own bfloat16 dot on CPU converts every
+weight to float32 in every step.
+
 The kernel is built on first use (`runner.backends.cpu.kernel_build`) on CPUs with AMX-BF16 and a compiler that
 knows it; `load()` says whether it is usable and, if not, why. `JAX_ROLLOUT_AMX=0` turns it off.
 """
@@ -72,8 +78,9 @@ def takes(rows: int, row_kernel_max_rows: int, from_rows: int = DEFAULT_FROM_ROW
 
 
 def shape_fits(w: Array) -> bool:
-    """Whether a `[K, N]` kernel can be packed: K a multiple of 32, N of 16, float32."""
-    return w.ndim == 2 and w.shape[0] % 32 == 0 and w.shape[1] % 16 == 0 and w.dtype == jnp.float32
+    """Whether a `[K, N]` kernel can be packed: K a multiple of 32, N of 16, float32 or bfloat16."""
+    return (w.ndim == 2 and w.shape[0] % 32 == 0 and w.shape[1] % 16 == 0
+            and w.dtype in (jnp.float32, jnp.bfloat16))
 
 
 def split3(x: Float[Array, "..."]) -> tuple[UInt16[Array, "..."], UInt16[Array, "..."], UInt16[Array, "..."]]:
@@ -88,19 +95,23 @@ def split3(x: Float[Array, "..."]) -> tuple[UInt16[Array, "..."], UInt16[Array, 
 
 
 @jax.jit
-def pack_kernel(w: Float[Array, "K N"]) -> UInt16[Array, "N/16 K/32 3 16 16 2"]:
-    """`w` split and laid out as AMX B tiles: packed[nb, kb, part, i, c, j] = part(w)[32 kb + 2 i + j, 16 nb + c]."""
+def pack_kernel(w: Float[Array, "K N"]) -> UInt16[Array, "N/16 K/32 P 16 16 2"]:
+    """`w` split and laid out as AMX B tiles: packed[nb, kb, part, i, c, j] = part(w)[32 kb + 2 i + j, 16 nb + c];
+    P = 3 parts for a float32 `w`, 1 (its bits) for a bfloat16 one."""
     K, N = w.shape
-    parts = jnp.stack(split3(w))  # [3, K, N]
-    return parts.reshape(3, K // 32, 16, 2, N // 16, 16).transpose(4, 1, 0, 2, 5, 3)
+    if w.dtype == jnp.bfloat16:
+        parts = jax.lax.bitcast_convert_type(w, jnp.uint16)[None]  # [1, K, N]
+    else:
+        parts = jnp.stack(split3(w))  # [3, K, N]
+    return parts.reshape(parts.shape[0], K // 32, 16, 2, N // 16, 16).transpose(4, 1, 0, 2, 5, 3)
 
 
-def unpack_kernel(packed: UInt16[Array, "N/16 K/32 3 16 16 2"]) -> Float[Array, "K N"]:
-    """The float32 kernel `packed` was made from (exactly: the three parts add up without rounding)."""
-    nb, kb = packed.shape[:2]
-    parts = packed.transpose(2, 1, 3, 5, 0, 4).reshape(3, kb * 32, nb * 16)
+def unpack_kernel(packed: UInt16[Array, "N/16 K/32 P 16 16 2"]) -> Float[Array, "K N"]:
+    """The kernel `packed` was made from, in float32 (exactly: the parts add up without rounding)."""
+    nb, kb, num_parts = packed.shape[:3]
+    parts = packed.transpose(2, 1, 3, 5, 0, 4).reshape(num_parts, kb * 32, nb * 16)
     f = jax.lax.bitcast_convert_type(parts.astype(jnp.uint32) << 16, jnp.float32)
-    return (f[0] + f[1]) + f[2]
+    return f[0] if num_parts == 1 else (f[0] + f[1]) + f[2]
 
 
 @jax.custom_vjp
@@ -120,7 +131,8 @@ def _backward(packed: Array, g: Array) -> tuple[Array, np.ndarray]:
 _matmul.defvjp(_forward, _backward)
 
 
-def amx_matmul(x: Float[Array, "... K"], packed: UInt16[Array, "N/16 K/32 3 16 16 2"]) -> Float[Array, "... N"]:
-    """`x @ w` with `packed = pack_kernel(w)` (needs `load().available`); differentiable in x (XLA's dot)."""
-    y = _matmul(x.reshape(-1, x.shape[-1]), packed)
-    return y.reshape(*x.shape[:-1], y.shape[-1])
+def amx_matmul(x: Float[Array, "... K"], packed: UInt16[Array, "N/16 K/32 P 16 16 2"]) -> Float[Array, "... N"]:
+    """`x @ w` with `packed = pack_kernel(w)` (needs `load().available`); differentiable in x (XLA's dot).
+    With one part (a bfloat16 `w`), `x` must hold bfloat16 values; the result comes back in `x`'s dtype."""
+    y = _matmul(x.reshape(-1, x.shape[-1]).astype(jnp.float32), packed)
+    return y.reshape(*x.shape[:-1], y.shape[-1]).astype(x.dtype)

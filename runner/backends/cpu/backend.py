@@ -2,7 +2,8 @@
 
 - few-row matmuls (`row_matmul`: 1-64 rows of `x @ w`, up to 8 of the tied head's `x @ w.T`),
 - AMX tiles for larger float32 matmuls where the CPU has AMX-BF16 (`amx_matmul`: weights kept packed
-  next to the float32 ones, recomputed by `refresh` after a weight update),
+  next to the float32 ones, recomputed by `refresh` after a weight update), and for every matmul of a
+  bfloat16 model (its weights packed as they are: one exact product per tile),
 - paged attention (`attention`: decode, verification and prefill pieces of up to 64 queries).
 
 Each runs only where it builds and helps (AVX-512, float32, one device); otherwise XLA's dot or the
@@ -40,6 +41,8 @@ class CpuMatmul:
 
     def __call__(self, x: Float[Array, "... K"], w: Array, packed: Array | None) -> Float[Array, "... N"]:
         rows = math.prod(x.shape[:-1])
+        if packed is not None and packed.shape[2] == 1:  # bfloat16 weights: AMX at every row count
+            return amx.amx_matmul(x.astype(jnp.bfloat16), packed)
         if packed is not None and amx.takes(rows, self.row_max_rows, self.amx_from_rows):
             return amx.amx_matmul(x, packed)
         if 0 < rows <= self.row_max_rows:
@@ -81,7 +84,8 @@ class CpuBackend(Backend):
         if attention_impl == "cpu_kernel" and not load_attention().available:
             raise ValueError(f"attention impl 'cpu_kernel' is unavailable here ({load_attention().reason}); use 'jax'")
         self.row_kernel = row_kernel_status(mesh, dtype, param_dtype, row_kernel)
-        if not self.row_kernel.available:
+        bf16_amx = (dtype, param_dtype) == ("bfloat16", "bfloat16") and mesh.size == 1 and row_kernel
+        if not self.row_kernel.available and not bf16_amx:
             self.amx = self.row_kernel
         elif not use_amx:
             self.amx = KernelStatus(False, "turned off by EngineConfig(cpu_amx=False)")
@@ -101,13 +105,14 @@ class CpuBackend(Backend):
         for _, sub in nnx.iter_modules(copy):
             if hasattr(sub, "grouped_matmul"):  # a mixture of experts: XLA:CPU's ragged_dot multiplies every expert
                 sub.grouped_matmul = "segments"
-        if not self.row_kernel.available:
+        if not self.row_kernel.available and not self.amx.available:
             return copy
+        rows_on = self.row_kernel.available  # off for a bfloat16 model: AMX (or XLA's dot) takes every matmul
         for _, sub in nnx.iter_modules(copy):
             if hasattr(sub, "matmul"):  # a Linear
-                sub.matmul = CpuMatmul(MAX_ROWS, self.amx_from_rows)
+                sub.matmul = CpuMatmul(MAX_ROWS if rows_on else 0, self.amx_from_rows)
             elif hasattr(sub, "head_matmul"):  # a causal LM: its tied output projection
-                sub.head_matmul = CpuMatmul(MAX_ROWS_NT, self.amx_from_rows, transposed=True)
+                sub.head_matmul = CpuMatmul(MAX_ROWS_NT if rows_on else 0, self.amx_from_rows, transposed=True)
             else:
                 continue
             w = _amx_weight(sub) if pack and self.amx.available else None
@@ -117,6 +122,11 @@ class CpuBackend(Backend):
             else:
                 sub.packed_head = packed
         return copy
+
+    def kv_cache_dtype(self, dtype: str) -> str:
+        """A bfloat16 cache is stored as its uint16 bits: XLA:CPU scatters bfloat16 through a float32 copy
+        of the whole cache (`runner.attention.cache_values`)."""
+        return "uint16" if jnp.dtype(dtype) == jnp.bfloat16 else dtype
 
     def refresh(self, graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State) -> nnx.State:
         model = nnx.merge(graphdef, params, rest)
@@ -135,8 +145,8 @@ def _amx_weight(sub: nnx.Module) -> Array | None:
     """The `[K, N]` float32 weight AMX packs for a module (a Linear's kernel, a tied output projection's
     `[H, V]` embedding), or None where it packs nothing."""
     if hasattr(sub, "matmul"):
-        w = sub.kernel[...] if sub.compute_dtype == jnp.float32 else None
+        w = sub.kernel[...] if sub.compute_dtype == sub.kernel[...].dtype else None
     else:
         tied = sub.tied_output_rows()
-        w = tied.T if tied is not None and sub.config.dtype == "float32" else None
+        w = tied.T if tied is not None and jnp.dtype(sub.config.dtype) == tied.dtype else None
     return w if w is not None and amx.shape_fits(w) else None

@@ -11,7 +11,10 @@
 // One output tile (16 rows x 16 columns) is always summed over k in the same order, whatever the row
 // count or thread count, so a row's result does not depend on the other rows of the step.
 //
-//   AmxMatmul: y[M, N] = x[M, K] @ w[K, N]   (w given packed; K % 32 == 0, N % 16 == 0, any M)
+// Packed with one part (bfloat16 weights of a bfloat16 model, whose activations are bfloat16 values too),
+// y is the single product xh*wh: exact bfloat16 products summed in float32, a third of the weight bytes.
+//
+//   AmxMatmul: y[M, N] = x[M, K] @ w[K, N]   (w given packed with 3 or 1 parts; K % 32 == 0, N % 16 == 0, any M)
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -56,20 +59,24 @@ inline void configure_tiles() {
   _tile_loadconfig(&cfg);
 }
 
-// x rows [r0, r0 + 64) split into parts, tile-contiguous: [part][row tile][k block][16 rows][32 k].
-// Rows past M are zero.
-void split_rows(const float* x, int64_t M, int64_t K, int64_t r0, uint16_t* out) {
+// x rows [r0, r0 + 64) split into `parts` parts (3, or 1: the top bfloat16 bits only), tile-contiguous:
+// [part][row tile][k block][16 rows][32 k]. Rows past M are zero.
+void split_rows(const float* x, int64_t M, int64_t K, int64_t r0, uint16_t* out, int parts) {
   const int64_t kb_count = K / 32, part_stride = int64_t{kGroupTiles} * kb_count * kTileElems;
   const __m512i mask = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   for (int64_t r = 0; r < kGroupRows; ++r) {
     for (int64_t k = 0; k < K; k += 16) {
       const int64_t off = ((r / 16) * kb_count + k / 32) * kTileElems + (r % 16) * 32 + k % 32;
       if (r0 + r >= M) {
-        for (int p = 0; p < 3; ++p) std::memset(out + p * part_stride + off, 0, 32);
+        for (int p = 0; p < parts; ++p) std::memset(out + p * part_stride + off, 0, 32);
         continue;
       }
       const __m512 v = _mm512_loadu_ps(x + (r0 + r) * K + k);
       const __m512i h = _mm512_and_si512(_mm512_castps_si512(v), mask);
+      if (parts == 1) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + off), _mm512_cvtepi32_epi16(_mm512_srli_epi32(h, 16)));
+        continue;
+      }
       const __m512 rest = _mm512_sub_ps(v, _mm512_castsi512_ps(h));
       const __m512i m = _mm512_and_si512(_mm512_castps_si512(rest), mask);
       const __m512i l = _mm512_castps_si512(_mm512_sub_ps(rest, _mm512_castsi512_ps(m)));
@@ -84,26 +91,35 @@ void split_rows(const float* x, int64_t M, int64_t K, int64_t r0, uint16_t* out)
 
 // Output columns [16 nb, 16 nb + 16) of the row group whose split x is `xs`: C tiles 0..3 accumulate the
 // six products over every k block in order, then go to y (rows past M through a scratch tile).
+template <int Parts>
 void column_block(const uint16_t* xs, const uint16_t* wp, float* y, int64_t M, int64_t K, int64_t N,
                   int64_t r0, int64_t nb) {
   const int64_t kb_count = K / 32, part_stride = int64_t{kGroupTiles} * kb_count * kTileElems;
   const int tiles = static_cast<int>(std::min<int64_t>(kGroupTiles, (M - r0 + 15) / 16));
-  const uint16_t* wb = wp + nb * kb_count * 3 * kTileElems;
+  const uint16_t* wb = wp + nb * kb_count * Parts * kTileElems;
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
-  constexpr int kLines = 3 * kTileElems * 2 / 64;  // cache lines of one k block's packed weights
+  constexpr int kLines = Parts * kTileElems * 2 / 64;  // cache lines of one k block's packed weights
   for (int64_t kb = 0; kb < kb_count; ++kb) {
-    const uint16_t* b = wb + kb * 3 * kTileElems;
+    const uint16_t* b = wb + kb * Parts * kTileElems;
     // The next blocks' weights go to L2 a few lines at a time between the tile products: issued in
     // one burst they measured ~12% slower (docs/engineering-notes.md).
-    const char* ahead = reinterpret_cast<const char*>(b + kPrefetchBlocks * 3 * kTileElems);
+    const char* ahead = reinterpret_cast<const char*>(b + kPrefetchBlocks * Parts * kTileElems);
     int line = 0;
     auto prefetch = [&](int n) {
       for (int i = 0; i < n && line < kLines; ++i, ++line) _mm_prefetch(ahead + line * 64, _MM_HINT_T1);
     };
 #define JR_A(part, tile) (xs + (part) * part_stride + ((tile) * kb_count + kb) * kTileElems)
+    if constexpr (Parts == 1) {  // bfloat16 weights and activations: the one exact product
+      _tile_loadd(5, b, 64);
+#define JR_1(T) if (tiles > T) { prefetch(2); _tile_loadd(4, JR_A(0, T), 64); _tile_dpbf16ps(T, 4, 5); }
+      JR_1(0) JR_1(1) JR_1(2) JR_1(3)
+#undef JR_1
+      prefetch(kLines);
+      continue;
+    }
     _tile_loadd(5, b, 64);                   // wh
     _tile_loadd(6, b + kTileElems, 64);      // wm
     _tile_loadd(7, b + 2 * kTileElems, 64);  // wl
@@ -153,14 +169,17 @@ ffi::Error AmxMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   if (xd.size() != 2 || pd.size() != 6 || yd.size() != 2)
     return ffi::Error::InvalidArgument("amx_matmul: x must be [M, K], packed [N/16, K/32, 3, 16, 16, 2]");
   const int64_t M = xd[0], K = xd[1], N = yd[1];
-  if (pd[0] * 16 != N || pd[1] * 32 != K || pd[2] != 3 || pd[3] != 16 || pd[4] != 16 || pd[5] != 2 || yd[0] != M)
+  const int parts = static_cast<int>(pd[2]);
+  if (pd[0] * 16 != N || pd[1] * 32 != K || (parts != 3 && parts != 1) || pd[3] != 16 || pd[4] != 16 || pd[5] != 2 ||
+      yd[0] != M)
     return ffi::Error::InvalidArgument("amx_matmul: packed weights do not match x [M, K] and y [M, N]");
   if (M == 0) return ffi::Error::Success();
   const int64_t groups = (M + kGroupRows - 1) / kGroupRows;
-  const int64_t group_elems = 3 * int64_t{kGroupTiles} * (K / 32) * kTileElems;
+  const int64_t group_elems = parts * int64_t{kGroupTiles} * (K / 32) * kTileElems;
   const size_t bytes = (groups * group_elems * sizeof(uint16_t) + 63) / 64 * 64;
   std::unique_ptr<uint16_t, decltype(&std::free)> xs(static_cast<uint16_t*>(std::aligned_alloc(64, bytes)), &std::free);
-  for (int64_t g = 0; g < groups; ++g) split_rows(x.typed_data(), M, K, g * kGroupRows, xs.get() + g * group_elems);
+  for (int64_t g = 0; g < groups; ++g)
+    split_rows(x.typed_data(), M, K, g * kGroupRows, xs.get() + g * group_elems, parts);
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t num_blocks = N / 16;
   const int64_t per_group = std::max<int64_t>(1, 2 * threads / groups);  // ~2 items per thread in all
@@ -172,8 +191,12 @@ ffi::Error AmxMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   // items (row group, chunk of column blocks) over the pool (pool_items.h)
   jax_rollout::run_items<AmxTiles>(pool, groups * chunks_per_group, threads, [=](int64_t i) {
     const int64_t g = i / chunks_per_group, c = i % chunks_per_group;
-    for (int64_t nb = c * chunk; nb < std::min(num_blocks, (c + 1) * chunk); ++nb)
-      column_block(xsp + g * group_elems, wp, yp, M, K, N, g * kGroupRows, nb);
+    for (int64_t nb = c * chunk; nb < std::min(num_blocks, (c + 1) * chunk); ++nb) {
+      if (parts == 1)
+        column_block<1>(xsp + g * group_elems, wp, yp, M, K, N, g * kGroupRows, nb);
+      else
+        column_block<3>(xsp + g * group_elems, wp, yp, M, K, N, g * kGroupRows, nb);
+    }
   });
   return ffi::Error::Success();
 #endif
