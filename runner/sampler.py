@@ -248,10 +248,11 @@ def _sample(logits: Float[Array, "S V"], inputs: SamplingInputs, *, mode: Mode, 
         processed_fn = lambda: processed  # noqa: E731
 
     if num_top_logprobs > 0:
-        chosen = jnp.where(
-            want_processed[:, None], jax.nn.log_softmax(processed_fn(), axis=1), jax.nn.log_softmax(raw, axis=1)
-        )
-        token_logprobs = jnp.take_along_axis(chosen, token_ids[:, None], axis=1)[:, 0]
+        chosen_logits = jnp.where(want_processed[:, None], processed_fn(), raw)
+        chosen = jax.nn.log_softmax(chosen_logits, axis=1)
+        # the sampled token's logprob by the same formula as without alternatives: a row's bits do not
+        # depend on whether another row of the step asked for top logprobs (batch-invariant engines)
+        token_logprobs = _token_logprob(chosen_logits, token_ids)
         top_logprobs, top_ids = lax.top_k(chosen, min(num_top_logprobs, vocab))
         top_ids = top_ids.astype(jnp.int32)
     else:
