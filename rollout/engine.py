@@ -61,7 +61,7 @@ class Engine(EngineCore):
         backend = select_backend(config.backend, device_mesh, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
                                  cache_dtype=kv_spec.dtype, attention_backend=config.attention_backend,
                                  cpu_row_kernel=config.cpu_row_kernel, cpu_amx=config.cpu_amx,
-                                 cpu_amx_from_rows=config.cpu_amx_from_rows, batch_invariant=config.batch_invariant)
+                                 cpu_amx_from_rows=config.cpu_amx_from_rows)
         min_seqs, min_tokens = backend.min_buckets  # the smallest padded shapes worth compiling (TPU: its tile)
         buckets = BucketConfig(config.max_num_seqs, config.max_num_batched_tokens, max_pages,
                                min_seqs=min_seqs, min_tokens=min(min_tokens, config.max_num_batched_tokens),

@@ -53,11 +53,6 @@ class EngineConfig:
     cpu_row_kernel: bool = True
     cpu_amx: bool = True
     cpu_amx_from_rows: int = 25
-    # A request's raw logprobs bitwise independent of what shares its steps, of how its prompt is chunked,
-    # of the prefix cache, preemption and n-gram speculation (one CPU device with AMX-BF16): every matmul
-    # on AMX (each row summed in one fixed order), every attention row in one fixed formulation and order
-    # ("jax_invariant"). Costs speed: `examples/bench_batch_invariant.py`.
-    batch_invariant: bool = False
     # Multi-step decode (vLLM's name): up to this many decode steps per device call, the sampled
     # tokens fed back on the device; the host sees the batch (stops, new requests) once per call.
     # None: DEFAULT_SCHEDULER_STEPS. With drafting, decode steps that do not draft (auto-disable, no
@@ -96,10 +91,6 @@ class EngineConfig:
         for name in ("cpu_row_kernel", "cpu_amx", "async_scheduling", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if not isinstance(self.batch_invariant, bool):
-            raise ValueError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
-        if self.batch_invariant and self.attention_backend != "auto":
-            raise ValueError("batch_invariant picks its own attention (jax_invariant); leave attention_backend='auto'")
         if not isinstance(self.cpu_amx_from_rows, int) or self.cpu_amx_from_rows < 1:
             raise ValueError(f"cpu_amx_from_rows must be an integer >= 1, got {self.cpu_amx_from_rows!r}")
         if self.attention_backend not in ("auto", "tpu", *ATTENTION_IMPLS):

@@ -45,7 +45,7 @@ class AttentionMetadata:
 
 
 ATTENTION_IMPLS = ("jax", "cpu_kernel", "pallas_gpu", "pallas_gpu_interpret", "pallas_tpu", "pallas_tpu_interpret",
-                   "tpu_ragged", "tpu_ragged_interpret", "tpu_ragged_jax", "jax_invariant")
+                   "tpu_ragged", "tpu_ragged_interpret", "tpu_ragged_jax")
 # impls whose KV cache is laid out for JAX's TPU `ragged_paged_attention` kernel: `[P, page, 2 * Hkv, D]`
 TPU_LAYOUT_IMPLS = ("tpu_ragged", "tpu_ragged_interpret", "tpu_ragged_jax")
 
@@ -73,9 +73,6 @@ def paged_attention(
     pure-JAX version; the "_interpret" variants run those kernels in Pallas interpret mode (any
     backend; tests). The TPU kernel rounds K and V to bfloat16 inside (exact for a bfloat16 cache).
 
-    "jax_invariant" (batch-invariant engines) runs the pure-JAX version with one formulation for every
-    query row (`fixed_order`): no cascade, no prefill grouping, every walk from the first page.
-
     A cache in the TPU ragged layout (`[P, page, 2 * Hkv, D]`, `TPU_LAYOUT_IMPLS`) sends every step
     (prefill, chunked prefill, decode, verification; windows and soft-caps included) to JAX's Pallas
     TPU `ragged_paged_attention` ("tpu_ragged"; "tpu_ragged_interpret" in interpret mode) or to the
@@ -86,11 +83,6 @@ def paged_attention(
         raise ValueError(f"unknown attention impl {md.impl!r}; choose one of {ATTENTION_IMPLS}")
     if kv_pages.ndim == 4:
         return _tpu_ragged(queries, kv_pages, md, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    if md.impl == "jax_invariant":  # batch-invariant engines: one formulation and order for every query row
-        return ragged_paged_attention(
-            queries, kv_pages, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs, sm_scale=sm_scale,
-            max_q_len=md.max_q_len, trim_rows=md.trim_rows, sliding_window=sliding_window, soft_cap=soft_cap,
-            fixed_order=True)
     if sliding_window is not None or soft_cap is not None:
         return ragged_paged_attention(
             queries, kv_pages, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs, sm_scale=sm_scale,

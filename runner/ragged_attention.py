@@ -42,13 +42,8 @@ def ragged_paged_attention(
     trim_rows: bool = False,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
-    fixed_order: bool = False,
 ) -> Float[Array, "T Hq D"]:
     """Causal attention of packed queries over each sequence's paged context (pure JAX reference).
-
-    `fixed_order`: every query row is computed the same way whatever the step (a decode, a prefill chunk
-    of any size, a verification), so its bits do not depend on what shares the step: the multiply-reduce
-    form for every row count, no grouping of prefill pieces, every walk from the first chunk.
 
     `sliding_window`: a query at position p attends keys at positions > p - window only, and the walk
     starts at the first chunk any row's window reaches. `soft_cap`: scores (after `sm_scale`) become
@@ -89,9 +84,9 @@ def ragged_paged_attention(
     if common is not None and sliding_window is not None:
         raise ValueError("the cascade (num_common_pages) cannot be combined with a sliding window")
     attend = functools.partial(_attend_rows, kv_pages=kv_pages, common=common, pages_per_chunk=pages_per_chunk,
-                               sliding_window=sliding_window, soft_cap=soft_cap, fixed_order=fixed_order)
+                               sliding_window=sliding_window, soft_cap=soft_cap)
 
-    if rows > MULTIPLY_REDUCE_MAX_ROWS and num_rows > PIECES_PER_GROUP and not fixed_order:  # prefill pieces (not decode / verification)
+    if rows > MULTIPLY_REDUCE_MAX_ROWS and num_rows > PIECES_PER_GROUP:  # prefill pieces (not decode / verification)
         size = PIECES_PER_GROUP
         padded = -(-num_rows // size) * size
         pad = lambda x, axis: jnp.pad(x, [(0, padded - num_rows if a == axis else 0) for a in range(x.ndim)])  # noqa: E731
@@ -152,7 +147,6 @@ def _attend_rows(
     pages_per_chunk: int,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
-    fixed_order: bool = False,
 ) -> Float[Array, "Hkv S R D"]:
     """Normalised attention output of rows `q` (positions `q_pos`) over their paged contexts; rows
     without context give zeros. The walk ends at the longest of these rows' contexts (and, with a
@@ -173,7 +167,7 @@ def _attend_rows(
         return k.reshape(shape), v.reshape(shape)
 
     # Few query rows (decode, verification): multiply-reduce forms fuse on XLA:CPU and beat tiny batched dots.
-    multiply_reduce = rows <= MULTIPLY_REDUCE_MAX_ROWS or fixed_order
+    multiply_reduce = rows <= MULTIPLY_REDUCE_MAX_ROWS
 
     def body(carry: tuple[Array, Array, Array, Array]) -> tuple[Array, Array, Array, Array]:
         c, m, l, acc = carry
@@ -202,7 +196,7 @@ def _attend_rows(
         common_chunks = jnp.minimum(common.num_pages // chunk, num_chunks)  # whole chunks only
         m, l, acc = _common_prefix_attention(q, kv_pages, common.table, common_chunks * chunk, kv_lens > 0, soft_cap)
         init = (common_chunks, m, l, acc)
-    elif sliding_window is not None and not fixed_order:  # no row attends a key before its first query's window
+    elif sliding_window is not None:  # no row attends a key before its first query's window
         first_key = jnp.min(jnp.where(kv_lens > 0, q_pos[:, 0] - sliding_window + 1, jnp.iinfo(jnp.int32).max))
         init = (jnp.clip(first_key // chunk_tokens, 0, num_chunks), *init[1:])
     # The trip count follows the longest real context of these rows, not the padded width.

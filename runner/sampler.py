@@ -251,7 +251,7 @@ def _sample(logits: Float[Array, "S V"], inputs: SamplingInputs, *, mode: Mode, 
         chosen_logits = jnp.where(want_processed[:, None], processed_fn(), raw)
         chosen = jax.nn.log_softmax(chosen_logits, axis=1)
         # the sampled token's logprob by the same formula as without alternatives: a row's bits do not
-        # depend on whether another row of the step asked for top logprobs (batch-invariant engines)
+        # depend on whether another row of the step asked for top logprobs
         token_logprobs = _token_logprob(chosen_logits, token_ids)
         top_logprobs, top_ids = lax.top_k(chosen, min(num_top_logprobs, vocab))
         top_ids = top_ids.astype(jnp.int32)

@@ -80,9 +80,8 @@ def auto_attention_impl(backend: str, platform: str, model_axis: int, cache_dtyp
 
 def select_backend(name: str, mesh: Mesh, *, dtype: str, param_dtype: str, cache_dtype: str,
                    attention_backend: str = "auto", cpu_row_kernel: bool = True, cpu_amx: bool = True,
-                   cpu_amx_from_rows: int = 25, batch_invariant: bool = False) -> Backend:
-    """The backend `name` ("auto": the mesh's platform) with its attention impl chosen. `batch_invariant`:
-    the CPU backend with every matmul on AMX and the "jax_invariant" attention (else a ValueError)."""
+                   cpu_amx_from_rows: int = 25) -> Backend:
+    """The backend `name` ("auto": the mesh's platform) with its attention impl chosen."""
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; choose one of {BACKENDS}")
     platform = mesh.devices.flat[0].platform
@@ -98,17 +97,11 @@ def select_backend(name: str, mesh: Mesh, *, dtype: str, param_dtype: str, cache
     if attention not in ("jax", "tpu_ragged_jax") and mesh.shape["model"] > 1:
         raise ValueError(f"attention impl {attention!r} runs unpartitioned: it needs a mesh whose 'model' axis "
                          f"is 1, got {mesh.shape['model']} (use 'jax')")
-    if batch_invariant:
-        if kind != "cpu" or mesh.size != 1 or not cpu_amx:
-            raise ValueError("batch_invariant runs on one CPU device with AMX-BF16 (every matmul on its fixed-order "
-                             f"tiles); this engine has backend {kind!r} on {mesh.size} device(s), cpu_amx={cpu_amx}")
-        attention = "jax_invariant"
     if kind == "cpu":
         from runner.backends.cpu.backend import CpuBackend  # the C++ kernels: only on this path
 
         return CpuBackend(mesh, dtype=dtype, param_dtype=param_dtype, attention_impl=attention,
-                          row_kernel=cpu_row_kernel, use_amx=cpu_amx, amx_from_rows=cpu_amx_from_rows,
-                          batch_invariant=batch_invariant)
+                          row_kernel=cpu_row_kernel, use_amx=cpu_amx, amx_from_rows=cpu_amx_from_rows)
     if kind == "gpu":
         return GpuBackend(attention)
     if kind == "tpu":

@@ -38,11 +38,10 @@ class CpuMatmul:
     row_max_rows: int
     amx_from_rows: int = amx.DEFAULT_FROM_ROWS
     transposed: bool = False
-    amx_always: bool = False  # batch-invariant engines: AMX at every row count (one summation order per row)
 
     def __call__(self, x: Float[Array, "... K"], w: Array, packed: Array | None) -> Float[Array, "... N"]:
         rows = math.prod(x.shape[:-1])
-        if packed is not None and (packed.shape[2] == 1 or self.amx_always):  # bfloat16 weights: AMX at every row count
+        if packed is not None and packed.shape[2] == 1:  # bfloat16 weights: AMX at every row count
             return amx.amx_matmul(x.astype(jnp.bfloat16), packed)
         if packed is not None and amx.takes(rows, self.row_max_rows, self.amx_from_rows):
             return amx.amx_matmul(x, packed)
@@ -78,9 +77,8 @@ class CpuBackend(Backend):
     name = "cpu"
 
     def __init__(self, mesh: Mesh, *, dtype: str, param_dtype: str, attention_impl: str, row_kernel: bool = True,
-                 use_amx: bool = True, amx_from_rows: int = amx.DEFAULT_FROM_ROWS, batch_invariant: bool = False) -> None:
+                 use_amx: bool = True, amx_from_rows: int = amx.DEFAULT_FROM_ROWS) -> None:
         super().__init__(attention_impl)
-        self.batch_invariant = batch_invariant
         if attention_impl == "cpu_kernel" and (mesh.size > 1 or mesh.devices.flat[0].platform != "cpu"):
             raise ValueError("attention impl 'cpu_kernel' runs on one CPU device; use 'jax' on a mesh or accelerator")
         if attention_impl == "cpu_kernel" and not load_attention().available:
@@ -94,8 +92,6 @@ class CpuBackend(Backend):
         else:
             self.amx = amx.load()
         self.amx_from_rows = amx.from_rows(amx_from_rows) if self.amx.available else amx_from_rows
-        if batch_invariant and not self.amx.available:
-            raise ValueError(f"batch_invariant needs the AMX matmul (each row summed in one order): {self.amx.reason}")
 
     @property
     def packs_weights(self) -> bool:
@@ -113,18 +109,13 @@ class CpuBackend(Backend):
             return copy
         rows_on = self.row_kernel.available  # off for a bfloat16 model: AMX (or XLA's dot) takes every matmul
         for _, sub in nnx.iter_modules(copy):
-            invariant = self.batch_invariant
             if hasattr(sub, "matmul"):  # a Linear
-                sub.matmul = CpuMatmul(MAX_ROWS if rows_on else 0, self.amx_from_rows, amx_always=invariant)
+                sub.matmul = CpuMatmul(MAX_ROWS if rows_on else 0, self.amx_from_rows)
             elif hasattr(sub, "head_matmul"):  # a causal LM: its tied output projection
-                sub.head_matmul = CpuMatmul(MAX_ROWS_NT if rows_on else 0, self.amx_from_rows, transposed=True,
-                                            amx_always=invariant)
+                sub.head_matmul = CpuMatmul(MAX_ROWS_NT if rows_on else 0, self.amx_from_rows, transposed=True)
             else:
                 continue
             w = _amx_weight(sub) if pack and self.amx.available else None
-            if invariant and pack and w is None and (not hasattr(sub, "tied_output_rows") or sub.tied_output_rows() is not None):
-                raise ValueError("batch_invariant needs every matmul on AMX: a weight of this model does not fit its "
-                                 "tiles (K a multiple of 32, N of 16)")
             packed = PackedKernel(amx.pack_kernel(w)) if w is not None else nnx.data(None)
             if hasattr(sub, "matmul"):
                 sub.packed = packed
