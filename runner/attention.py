@@ -22,7 +22,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from runner.ragged_attention import (  # noqa: F401  (re-exported: the kernel's constants and entry point)
-    MASK_VALUE, MULTIPLY_REDUCE_MAX_ROWS, PIECES_PER_GROUP, cache_geometry, ragged_paged_attention, soft_capped)
+    MASK_VALUE, MULTIPLY_REDUCE_MAX_ROWS, PIECES_PER_GROUP, cache_geometry, cache_values, ragged_paged_attention,
+    soft_capped)
 
 
 @jax.tree_util.register_dataclass
@@ -95,8 +96,6 @@ def paged_attention(
             return cpu_paged_attention(queries, kv_pages, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
                                        sm_scale=sm_scale)
     elif md.impl.startswith("pallas_") and md.max_q_len == 1 and queries.shape[0] == md.page_indices.shape[0]:
-        if kv_pages.dtype == jnp.uint16:  # bfloat16 bits (a CPU backend's cache: tests of the kernels)
-            kv_pages = jax.lax.bitcast_convert_type(kv_pages, jnp.bfloat16)
         return _pallas_decode(queries, kv_pages, md.kv_lens, md.page_indices, sm_scale=sm_scale,
                               platform=md.impl.split("_")[1], interpret=md.impl.endswith("_interpret"))
     return ragged_paged_attention(queries, kv_pages, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
@@ -180,15 +179,6 @@ def paged_slots(page_indices: Int[Array, "... W"], positions: Int[Array, "..."],
     blocks = jnp.take_along_axis(page_indices, page[..., None], axis=-1, mode="clip")[..., 0]
     ok = valid & (positions >= 0) & (page < page_indices.shape[-1])
     return jnp.where(ok, blocks * page_size + positions % page_size, num_slots)
-
-
-def cache_values(x: Array, cache_dtype: jnp.dtype) -> Array:
-    """`x` as stored in a cache of `cache_dtype`: a uint16 cache holds bfloat16 bits (the CPU backend's
-    bfloat16 cache: XLA:CPU scatters bfloat16 by converting the whole cache to float32 and back, in every
-    layer of every step; uint16 it scatters in place)."""
-    if cache_dtype == jnp.uint16:
-        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
-    return x.astype(cache_dtype)
 
 
 def write_kv(

@@ -241,8 +241,17 @@ def _take_pages(kv_pages: Float[Array, "2 Hkv P page D"], idx: Int[Array, "N"]
     return _as_values(take(rows[0])), _as_values(take(rows[1]))
 
 
+def cache_values(x: Array, cache_dtype: jnp.dtype) -> Array:
+    """`x` as stored in a cache of `cache_dtype`: a uint16 cache holds bfloat16 bits (the CPU backend's
+    bfloat16 cache: XLA:CPU scatters bfloat16 by converting the whole cache to float32 and back, in every
+    layer of every step; uint16 it scatters in place)."""
+    if cache_dtype == jnp.uint16:
+        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
+    return x.astype(cache_dtype)
+
+
 def _as_values(x: Array) -> Array:
-    """Gathered cache entries as values: a uint16 cache holds bfloat16 bits (`runner.attention.cache_values`)."""
+    """Gathered cache entries as values (the inverse of `cache_values`)."""
     return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == jnp.uint16 else x
 
 

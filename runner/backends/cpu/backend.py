@@ -125,8 +125,11 @@ class CpuBackend(Backend):
 
     def kv_cache_dtype(self, dtype: str) -> str:
         """A bfloat16 cache is stored as its uint16 bits: XLA:CPU scatters bfloat16 through a float32 copy
-        of the whole cache (`runner.attention.cache_values`)."""
-        return "uint16" if jnp.dtype(dtype) == jnp.bfloat16 else dtype
+        of the whole cache (`runner.ragged_attention.cache_values`). The Pallas kernels (interpret-mode
+        tests on CPU) read their bfloat16 cache as it is."""
+        if jnp.dtype(dtype) == jnp.bfloat16 and not self.attention_impl.startswith("pallas_"):
+            return "uint16"
+        return dtype
 
     def refresh(self, graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State) -> nnx.State:
         model = nnx.merge(graphdef, params, rest)
