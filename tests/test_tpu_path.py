@@ -14,6 +14,7 @@ that kernel's contract.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -87,7 +88,7 @@ def test_pallas_kernel_in_interpret_mode() -> None:
         page_indices=jnp.asarray(rng.permutation(32)[:12].reshape(3, 4), jnp.int32),
         cu_q_lens=jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32),
         num_seqs=jnp.asarray([3], jnp.int32), max_q_len=5, impl="tpu_ragged_interpret")
-    want = paged_attention(queries, kv, dataclasses_replace(md, impl="tpu_ragged_jax"), sm_scale=head_dim ** -0.5)
+    want = paged_attention(queries, kv, dataclasses.replace(md, impl="tpu_ragged_jax"), sm_scale=head_dim ** -0.5)
     try:
         got = paged_attention(queries, kv, md, sm_scale=head_dim ** -0.5)
     except Exception as e:  # noqa: BLE001 - the interpreter's failure surfaces through a host callback
@@ -97,12 +98,6 @@ def test_pallas_kernel_in_interpret_mode() -> None:
             pytest.xfail("the kernel picks block sizes from the TPU generation; off a TPU it has none (docs/tpu.md)")
         raise
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
-
-
-def dataclasses_replace(md: AttentionMetadata, **changes: object) -> AttentionMetadata:
-    import dataclasses
-
-    return dataclasses.replace(md, **changes)
 
 
 @pytest.mark.parametrize("mesh", [None, pytest.param((1, 2), marks=pytest.mark.slow)])
