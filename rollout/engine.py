@@ -69,7 +69,7 @@ class Engine(EngineCore):
         draft_head, verify_steps = None, spec.num_verify_steps if isinstance(spec, Eagle3Config) else 1
         if isinstance(spec, Eagle3Config):
             draft_head = load_eagle3_head(spec.path, cfg, aux_layer_ids=spec.aux_layer_ids)
-        runner = ModelRunner(model, kv_spec, buckets, max_logprobs=config.max_logprobs,
+        runner = ModelRunner(model, kv_spec, buckets, max_logprobs=config.max_logprobs if config.max_logprobs >= 0 else 20,
                              max_kept_ids=config.max_kept_ids, mesh=device_mesh,
                              backend=backend, draft_head=draft_head,
                              num_scheduler_steps=config.num_scheduler_steps,

@@ -100,8 +100,9 @@ class EngineConfig:
             object.__setattr__(self, "num_scheduler_steps", DEFAULT_SCHEDULER_STEPS)
         if not isinstance(self.num_scheduler_steps, int) or not 1 <= self.num_scheduler_steps <= 64:
             raise ValueError(f"num_scheduler_steps must be an integer in [1, 64], got {self.num_scheduler_steps!r}")
-        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be an integer >= 0, or -1 (no limit: `logprobs=-1` returns the "
+                             f"whole vocabulary), got {self.max_logprobs!r}")
         if not isinstance(self.max_kept_ids, int) or self.max_kept_ids < 1:
             raise ValueError(f"max_kept_ids must be an integer >= 1, got {self.max_kept_ids!r}")
         if not isinstance(self.seed, int) or self.seed < 0:

@@ -23,14 +23,14 @@ from rollout.output_processor import OutputProcessor
 from rollout.outputs import RequestOutput
 from rollout.policy_sync import PolicyUpdates, WeightUpdater
 from rollout.request import Request, request_output
-from rollout.request_validation import Prompt, RequestLimits, prompt_token_ids
+from rollout.request_validation import Prompt, RequestLimits, bad_words_token_ids, prompt_token_ids
 from rollout.sampling_params import SamplingParams
 from rollout.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from rollout.sequence import Sequence
 from rollout.speculator import Speculator, device_draft_slots
 from rollout.step_builder import build_ahead_step, build_step
 from rollout.tokenizer import Tokenizer
-from runner.model_runner import MAX_SUPPRESS, ModelRunner, PendingStep
+from runner.model_runner import ModelRunner, PendingStep
 from runner.spec_decode.eagle3_config import Eagle3Config
 
 NUM_RESUMABLE = 4096  # ended requests kept (newest first) so that `resume` can continue them
@@ -47,9 +47,10 @@ class EngineCore(PolicyUpdates):
         self.eos_token_ids = eos_token_ids
         spec, kv_spec = config.speculative, runner.kv_spec
         self._limits = RequestLimits(
-            runner.config.vocab_size, config.max_model_len, config.max_logprobs, eos_token_ids, MAX_SUPPRESS,
+            runner.config.vocab_size, config.max_model_len, config.max_logprobs, eos_token_ids,
             max_kept_ids=config.max_kept_ids,
-            records="an EAGLE-3 engine's draft programs do not return them" if runner.drafter is not None else "")
+            records="an EAGLE-3 engine's draft programs do not return them" if runner.drafter is not None else "",
+            processors="an EAGLE-3 engine's draft programs do not apply them" if runner.drafter is not None else "")
         self.block_manager = BlockManager(kv_spec.num_blocks, kv_spec.block_size, num_replicas=kv_spec.num_replicas,
                                           enable_prefix_caching=config.enable_prefix_caching)
         self.speculator = None if spec is None else Speculator(
@@ -114,6 +115,11 @@ class EngineCore(PolicyUpdates):
             raise RuntimeError("the engine is asleep (sleep() freed its KV cache): call wake() first")
         if sp.max_tokens is None:  # vLLM's meaning: as many as the context leaves
             sp = dataclasses.replace(sp, max_tokens=self.config.max_model_len - len(ids))
+        if sp.logprobs == -1 or sp.prompt_logprobs == -1:  # vLLM's meaning: the whole vocabulary
+            vocab = self.runner.config.vocab_size
+            sp = dataclasses.replace(sp, logprobs=vocab if sp.logprobs == -1 else sp.logprobs,
+                                     prompt_logprobs=vocab if sp.prompt_logprobs == -1 else sp.prompt_logprobs)
+        bad_word_ids = bad_words_token_ids(sp.bad_words, self.tokenizer) if sp.bad_words else ()
         seed = sp.seed if sp.seed is not None else int(self.rng.integers(0, 2**32))
         seqs = []
         for index in range(sp.n):
@@ -121,6 +127,7 @@ class EngineCore(PolicyUpdates):
             seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, sample_index=index, prompt_ids=ids,
                            params=sp, seed=seed, arrival=self.stats_.num_sequences)
             seq.admitted_version = self.policy_version
+            seq.bad_word_ids = bad_word_ids
             self.scheduler.add(seq)
             seqs.append(seq)
         self.requests[request_id] = Request(request_id, prompt, sp, seqs)
@@ -250,7 +257,9 @@ class EngineCore(PolicyUpdates):
             pending = self.runner.launch(build_step(batch, self.eos_token_ids, drafts, rejection=self._rejection,
                                                     multi_step=self.config.num_scheduler_steps > 1,
                                                     device_drafts=self.runner.drafter is not None))
-        if overlap and pending.last_tokens is not None and drafts is None:
+        # (a call launched ahead would not see the tokens its penalties and bad words must read)
+        if overlap and pending.last_tokens is not None and drafts is None and not any(
+                s.params.has_penalties or s.bad_word_ids for s in batch.seqs):
             planned = self.scheduler.schedule_ahead(batch)
             if planned is not None:
                 nxt, kept = planned

@@ -24,6 +24,8 @@ class _HostRows:
         self.result = result
         self.token_ids: list[list[int]] = result.token_ids.tolist()
         self.logprobs: list[list[float]] | None = result.logprobs.tolist() if with_logprobs else None
+        self.ranks: list[list[int]] | None = (result.ranks.tolist() if with_logprobs and result.ranks is not None
+                                              else None)
 
 
 class OutputProcessor:
@@ -126,6 +128,7 @@ class OutputProcessor:
         columns = tokens.T.tolist()
         want_logprobs = [p.logprobs is not None for p in params]
         logprobs = result.logprobs[:, rows].T.tolist() if any(want_logprobs) else None
+        ranks = result.ranks[:, rows].T.tolist() if any(want_logprobs) and result.ranks is not None else None
         version = self.policy_version
         for j, seq in enumerate(seqs):
             n = int(counts[j])
@@ -137,6 +140,8 @@ class OutputProcessor:
             seq.output_versions += [version] * n
             if want_logprobs[j]:
                 seq.output_logprobs += logprobs[j][:n]
+                if ranks is not None:
+                    seq.output_ranks += ranks[j][:n]
                 k = params[j].logprobs
                 seq.output_top += [(result.top_ids[i, rows[j], :k].tolist(),
                                     result.top_logprobs[i, rows[j], :k].tolist()) for i in range(n)] if k else [_NO_TOP] * n
@@ -179,6 +184,8 @@ class OutputProcessor:
         seq.output_versions.append(self.policy_version)
         if seq.params.logprobs is not None:
             seq.output_logprobs.append(rows.logprobs[step][row])
+            if rows.ranks is not None:
+                seq.output_ranks.append(rows.ranks[step][row])
             k = seq.params.logprobs  # the step returns the batch's largest k
             seq.output_top.append((rows.result.top_ids[step, row, :k].tolist(),
                                    rows.result.top_logprobs[step, row, :k].tolist()) if k else _NO_TOP)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections.abc
+from collections.abc import Callable
 import dataclasses
 from typing import Literal, NamedTuple
 
@@ -12,6 +13,15 @@ from jaxtyping import Bool, Float, Int
 FinishReason = Literal["stop", "length", "abort"]
 
 
+class Logprob(NamedTuple):
+    """One entry of vLLM's per-position dict: a token's logprob (or logit, in the `*_logits` modes), its
+    rank among the vocabulary (1 = most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class TokenLogprob(NamedTuple):
     """One generated (or prompt) position: the token's logprob and the top alternatives (a named tuple:
     one is made per token, so it must be cheap)."""
@@ -19,29 +29,46 @@ class TokenLogprob(NamedTuple):
     token_id: int
     logprob: float
     top: dict[int, float]  # token id -> logprob of the `logprobs` most likely tokens (mode as requested)
+    rank: int | None = None  # the sampled token's rank in its logprobs mode (1 = most likely); None for prompts
+    decoded_token: str | None = None  # the token decoded alone (None with `detokenize=False`)
+
+    def as_dict(self, decode: Callable[[int], str] | None = None) -> dict[int, Logprob]:
+        """vLLM's shape: token id -> `Logprob` for the sampled token and each alternative (ranked
+        1..k in order); `decode` (e.g. `lambda t: tokenizer.decode([t])`) fills `decoded_token`."""
+        text = (lambda t: None) if decode is None else decode
+        out = {t: Logprob(lp, rank, text(t)) for rank, (t, lp) in enumerate(self.top.items(), 1)}
+        if self.token_id not in out:
+            out[self.token_id] = Logprob(self.logprob, self.rank,
+                                         self.decoded_token if self.decoded_token is not None else text(self.token_id))
+        return out
 
 
 class CompletionLogprobs(collections.abc.Sequence):
     """A completion's per-token logprobs, kept as plain lists until read: indexing or iterating yields
     `TokenLogprob`s (made then, not per generated token); `values` is the sampled tokens' logprobs."""
 
-    __slots__ = ("token_ids", "values", "top")
+    __slots__ = ("token_ids", "values", "top", "ranks", "decode")
 
-    def __init__(self, token_ids: list[int], values: list[float], top: list[tuple[list[int], list[float]]] | None
-                 ) -> None:
+    def __init__(self, token_ids: list[int], values: list[float], top: list[tuple[list[int], list[float]]] | None,
+                 ranks: list[int] | None = None, decode: Callable[[int], str] | None = None) -> None:
         self.token_ids = token_ids
         self.values = values  # the sampled token's logprob, per token
         self.top = top  # per token (alternative ids, their logprobs); None: no alternatives asked for
-
-    def __len__(self) -> int:
-        return len(self.values)
+        self.ranks = ranks  # per token, the sampled token's rank
+        self.decode = decode  # a token id's text (None: no `decoded_token`)
 
     def __getitem__(self, index: int | slice) -> "TokenLogprob | CompletionLogprobs":
         if isinstance(index, slice):
             return CompletionLogprobs(self.token_ids[index], self.values[index],
-                                      None if self.top is None else self.top[index])
+                                      None if self.top is None else self.top[index],
+                                      None if self.ranks is None else self.ranks[index], self.decode)
         top = {} if self.top is None else dict(zip(*self.top[index]))
-        return TokenLogprob(self.token_ids[index], self.values[index], top)
+        token = self.token_ids[index]
+        return TokenLogprob(token, self.values[index], top, None if self.ranks is None else self.ranks[index],
+                            None if self.decode is None else self.decode(token))
+
+    def __len__(self) -> int:
+        return len(self.values)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, collections.abc.Sequence) and list(self) == list(other)

@@ -5,6 +5,7 @@ Plain Python."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from rollout.outputs import CompletionLogprobs, CompletionOutput, RequestOutput, TokenLogprob
 from rollout.sampling_params import OutputKind, SamplingParams
@@ -55,7 +56,8 @@ def completion(seq: Sequence, tokenizer: Tokenizer, *, start: int = 0, text_star
     logprobs = cumulative = None
     if p.logprobs is not None:
         logprobs = CompletionLogprobs(out_ids[start:], seq.output_logprobs[start:],
-                                      seq.output_top[start:] if p.logprobs else None)
+                                      seq.output_top[start:] if p.logprobs else None, seq.output_ranks[start:],
+                                      functools.partial(token_text, tokenizer) if p.detokenize else None)
         cumulative = float(sum(seq.output_logprobs))
     versions = seq.output_versions[start:]
     record = p.sampling_record
@@ -100,3 +102,8 @@ def request_output(req: Request, tokenizer: Tokenizer, kind: OutputKind | None =
     return RequestOutput(request_id=req.request_id, prompt=req.prompt,
                          prompt_token_ids=first.token_ids[:first.num_prompt_tokens],
                          prompt_logprobs=prompt_logprobs, outputs=outputs, finished=finished)
+
+
+def token_text(tokenizer: Tokenizer, token_id: int) -> str:
+    """One token decoded alone, special tokens included (vLLM's `Logprob.decoded_token`)."""
+    return tokenizer.decode([token_id], skip_special_tokens=False)

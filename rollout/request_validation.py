@@ -17,15 +17,16 @@ Prompt = str | list[int]
 
 @dataclasses.dataclass(frozen=True)
 class RequestLimits:
-    """What the engine can take: its vocabulary, context length, top-logprob count and suppressible ids."""
+    """What the engine can take: its vocabulary, context length, top-logprob count (-1: any), and why it
+    cannot take some features ("" = it can)."""
 
     vocab_size: int
     max_model_len: int
     max_logprobs: int
     eos_token_ids: tuple[int, ...]
-    max_suppress: int  # ids a step can mask (EOS and stop ids while `min_tokens` is not reached)
     max_kept_ids: int = 16  # kept ids a sampling record can return per token
     records: str = ""  # why this engine cannot return sampling records ("" = it can)
+    processors: str = ""  # why this engine cannot apply logits processors ("" = it can)
 
 
 def normalize_requests(prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None
@@ -81,7 +82,10 @@ def prompt_token_ids(prompt: Prompt, sp: SamplingParams, tokenizer: Tokenizer, l
                          f"{limits.max_model_len}; shorten it or raise max_model_len")
     for name in ("logprobs", "prompt_logprobs"):
         k = getattr(sp, name)
-        if k is not None and k > limits.max_logprobs:
+        if k == -1 and limits.max_logprobs != -1:
+            raise ValueError(f"{name}=-1 (the whole vocabulary) needs an engine built with max_logprobs=-1 "
+                             f"(this one returns at most {limits.max_logprobs})")
+        if k is not None and limits.max_logprobs != -1 and k > limits.max_logprobs:
             raise ValueError(f"{name}={k} exceeds the engine's max_logprobs={limits.max_logprobs}; "
                              "ask for fewer or build the engine with a larger max_logprobs")
     if sp.sampling_record and limits.records:
@@ -89,11 +93,29 @@ def prompt_token_ids(prompt: Prompt, sp: SamplingParams, tokenizer: Tokenizer, l
     if sp.max_kept_ids > limits.max_kept_ids:
         raise ValueError(f"max_kept_ids={sp.max_kept_ids} exceeds the engine's max_kept_ids={limits.max_kept_ids}; "
                          "ask for fewer or build the engine with a larger max_kept_ids")
+    if sp.has_processors and limits.processors:
+        raise ValueError(f"penalties, logit_bias, allowed_token_ids and bad_words are not available on this "
+                         f"engine: {limits.processors}")
+    for name, token_ids in (("logit_bias", sp.logit_bias or {}), ("allowed_token_ids", sp.allowed_token_ids or ())):
+        bad = [t for t in token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"{name} token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
     bad = [t for t in sp.stop_token_ids if t >= vocab]
     if bad:
         raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-    eos = () if sp.ignore_eos else limits.eos_token_ids
-    if sp.min_tokens > 0 and len(set(eos) | set(sp.stop_token_ids)) > limits.max_suppress:
-        raise ValueError(f"min_tokens masks EOS (unless ignore_eos) and stop_token_ids until then: at most "
-                         f"{limits.max_suppress} ids; pass fewer stop_token_ids")
     return ids
+
+
+def bad_words_token_ids(words: Seq[str], tokenizer: Tokenizer) -> tuple[tuple[int, ...], ...]:
+    """Each bad word's token ids as vLLM finds them: the word as given, and with a leading space where
+    that tokenizes to a different first token but as many tokens."""
+    found: list[tuple[int, ...]] = []
+    for word in words:
+        plain = tuple(tokenizer.encode(word, add_special_tokens=False))
+        if plain:
+            found.append(plain)
+        if not word.startswith(" "):
+            spaced = tuple(tokenizer.encode(" " + word, add_special_tokens=False))
+            if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
+                found.append(spaced)
+    return tuple(dict.fromkeys(found))

@@ -36,6 +36,7 @@ class Sequence:
         self.admitted_version: int | None = None  # policy version in force when it was added
         self.output_logprobs: list[float] = []
         self.output_top: list[tuple[list[int], list[float]]] = []
+        self.output_ranks: list[int] = []  # rank of each sampled token in its logprobs mode (with logprobs)
         self.output_kept_logmass: list[float] = []  # the sampling record (`SamplingParams.sampling_record`)
         self.output_kept_ids: list[list[int] | None] = []  # the kept set where it fits `max_kept_ids`, else None
         self.prompt_logprobs: list[float] = []  # logprob of prompt token i+1 given tokens <= i
@@ -48,6 +49,8 @@ class Sequence:
         self.sampling_row: SamplingRow | None = None  # its sampling settings as a step packs them (built once)
         self.ending_ids: tuple[int, ...] | None = None  # ids that stop it: EOS unless ignored, its stop ids (built once)
         self.tokens_per_draft_step: float | None = None  # speculative decoding: EMA of tokens emitted per verification
+        self.bad_word_ids: tuple[tuple[int, ...], ...] = ()  # `SamplingParams.bad_words` tokenized (set on add)
+        self.distinct_prompt_ids: tuple[int, ...] | None = None  # for the repetition penalty (built once)
 
     def reset_for_resume(self) -> None:
         """Waiting again after it ended (aborted or cut by length): tokens and results kept, K/V to recompute."""

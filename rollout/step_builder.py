@@ -8,6 +8,7 @@ import numpy as np
 
 from rollout.scheduler import ScheduledBatch
 from rollout.sequence import Sequence
+from runner.logits_processors import AdjustRows
 from runner.model_runner import MAX_SUPPRESS, StepBatch
 from runner.sampling_rows import SamplingRows
 
@@ -28,6 +29,12 @@ def suppressed_ids(seq: Sequence, eos_token_ids: tuple[int, ...]) -> tuple[int, 
     return ending_ids(seq, eos_token_ids)
 
 
+def suppress_width(seqs: list[Sequence], eos_token_ids: tuple[int, ...]) -> int:
+    """Columns of a step's suppressed and stop ids: `MAX_SUPPRESS`, or the next power of two that holds
+    every sequence's ending ids (a request with many stop ids compiles a wider program, nothing is cut)."""
+    return max(MAX_SUPPRESS, _pow2(max((len(ending_ids(s, eos_token_ids)) for s in seqs), default=0)))
+
+
 def _top_k(top_k: int) -> int:
     """A request's top-k as the device takes it: 0 = off (also -1, and counts past int32 that mean the
     same as the whole vocabulary)."""
@@ -41,9 +48,53 @@ def sampling_rows(seqs: list[Sequence]) -> SamplingRows:
         if seq.sampling_row is None:
             p = seq.params
             seq.sampling_row = (p.temperature, _top_k(p.top_k), p.top_p, p.min_p, seq.seed, seq.sample_index,
-                                p.logprobs_mode == "processed", p.logprobs is not None)
+                                p.logprobs_mode.startswith("processed"), p.logprobs is not None,
+                                p.logprobs_mode.endswith("logits"))
         rows.append(seq.sampling_row)
     return SamplingRows.from_rows(rows)
+
+
+def _pow2(n: int) -> int:
+    """The power of two >= n (>= 1): processor arrays come in few shapes, so few programs compile."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def adjust_rows(seqs: list[Sequence], room: int) -> AdjustRows | None:
+    """The sequences' logits processors (`runner.logits_processors`), or None when none uses one.
+    `room`: steps this call may append to each output on the device."""
+    params = [s.params for s in seqs]
+    if not any(p.has_processors for p in params):
+        return None
+    n = len(seqs)
+    allowed = np.full((n, _pow2(max(len(p.allowed_token_ids or ()) for p in params))), -1, np.int32)
+    width = _pow2(max(len(p.logit_bias or {}) for p in params))
+    bias_ids, bias_values = np.full((n, width), -1, np.int32), np.zeros((n, width), np.float32)
+    words = np.full((n, _pow2(max(len(s.bad_word_ids) for s in seqs)),
+                     _pow2(max((len(w) for s in seqs for w in s.bad_word_ids), default=1))), -1, np.int32)
+    history = [s.params.has_penalties or bool(s.bad_word_ids) for s in seqs]
+    outputs = np.full((n, _pow2(max((s.num_output_tokens for s, h in zip(seqs, history) if h), default=0) + room)),
+                      -1, np.int32)
+    prompts = []
+    for s in seqs:
+        if s.params.repetition_penalty != 1.0 and s.distinct_prompt_ids is None:
+            s.distinct_prompt_ids = tuple(dict.fromkeys(s.token_ids[:s.num_prompt_tokens]))
+        prompts.append(s.distinct_prompt_ids if s.params.repetition_penalty != 1.0 else ())
+    prompt_ids = np.full((n, _pow2(max(len(p) for p in prompts))), -1, np.int32)
+    for i, (s, p) in enumerate(zip(seqs, params)):
+        allowed[i, :len(p.allowed_token_ids or ())] = p.allowed_token_ids or ()
+        if p.logit_bias:
+            bias_ids[i, :len(p.logit_bias)] = list(p.logit_bias)
+            bias_values[i, :len(p.logit_bias)] = list(p.logit_bias.values())
+        for j, word in enumerate(s.bad_word_ids):
+            words[i, j, words.shape[2] - len(word):] = word
+        if history[i]:
+            outputs[i, :s.num_output_tokens] = s.output_ids
+        prompt_ids[i, :len(prompts[i])] = prompts[i]
+    return AdjustRows(allowed, bias_ids, bias_values, words, outputs,
+                      np.array([s.num_output_tokens if h else 0 for s, h in zip(seqs, history)], np.int32), prompt_ids,
+                      np.array([p.presence_penalty for p in params], np.float32),
+                      np.array([p.frequency_penalty for p in params], np.float32),
+                      np.array([p.repetition_penalty for p in params], np.float32))
 
 
 def device_stops(seqs: list[Sequence], eos_token_ids: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
@@ -51,10 +102,10 @@ def device_stops(seqs: list[Sequence], eos_token_ids: tuple[int, ...]) -> tuple[
     and the ids that stop it (EOS unless ignored, its stop ids). Only lets the device stop early: the host
     applies every stop rule afterwards."""
     suppress_steps = np.array([max(0, s.params.min_tokens - s.num_output_tokens) for s in seqs], np.int32)
-    stop_ids = np.full((len(seqs), MAX_SUPPRESS), -1, np.int32)
+    stop_ids = np.full((len(seqs), suppress_width(seqs, eos_token_ids)), -1, np.int32)
     for i, seq in enumerate(seqs):
         ids = ending_ids(seq, eos_token_ids)
-        stop_ids[i, :min(len(ids), MAX_SUPPRESS)] = ids[:MAX_SUPPRESS]
+        stop_ids[i, :len(ids)] = ids
     return suppress_steps, stop_ids
 
 
@@ -72,7 +123,8 @@ def build_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...],
         one = build_step(ScheduledBatch(False, batch.seqs, [1] * len(batch.seqs)), eos_token_ids)
         suppress_steps, stop_ids = device_stops(batch.seqs, eos_token_ids)
         return dataclasses.replace(one, kind="decode", num_steps=np.asarray(batch.num_new_tokens, np.int32),
-                                   suppress_steps=suppress_steps, stop_ids=stop_ids)
+                                   suppress_steps=suppress_steps, stop_ids=stop_ids,
+                                   adjust=adjust_rows(batch.seqs, max(batch.num_new_tokens)))
     seqs, counts = batch.seqs, np.asarray(batch.num_new_tokens, np.int32)
     starts = np.array([s.num_computed_tokens for s in seqs], np.int32)
     kv_lens = starts + counts
@@ -82,7 +134,7 @@ def build_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...],
     else:
         token_ids = np.concatenate([np.asarray(s.token_ids[a:a + n], np.int32) for s, a, n in zip(seqs, starts, counts)])
         positions = np.concatenate([np.arange(a, a + n, dtype=np.int32) for a, n in zip(starts, counts)])
-    suppress = np.full((len(seqs), MAX_SUPPRESS), -1, np.int32)
+    suppress = np.full((len(seqs), suppress_width(seqs, eos_token_ids)), -1, np.int32)
     for i, seq in enumerate(seqs):
         ids = suppressed_ids(seq, eos_token_ids)
         suppress[i, :len(ids)] = ids
@@ -94,6 +146,7 @@ def build_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...],
     return StepBatch(
         token_ids=token_ids, positions=positions, q_lens=counts, kv_lens=kv_lens,
         block_tables=[s.block_table for s in seqs], sampling=sampling_rows(seqs), suppress_ids=suppress,
+        adjust=adjust_rows(seqs, 1),
         num_top_logprobs=max((max(p.logprobs or 0, p.prompt_logprobs or 0) for p in params), default=0),
         sampling_record=any(p.sampling_record for p in params), kind="prefill" if batch.is_prefill else "decode", target_ids=target_ids, replicas=np.array([s.replica for s in seqs], np.int32))
 
@@ -130,7 +183,7 @@ def build_verify_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...], dra
     positions = np.concatenate([np.arange(a, a + n, dtype=np.int32) for a, n in zip(starts, counts)])
     row_seq = np.repeat(np.arange(len(seqs)), counts)
     row_rank = np.arange(len(row_seq)) - np.repeat(np.cumsum(counts) - counts, counts)
-    suppress = np.full((len(row_seq), MAX_SUPPRESS), -1, np.int32)
+    suppress = np.full((len(row_seq), suppress_width(seqs, eos_token_ids)), -1, np.int32)
     for r, (i, k) in enumerate(zip(row_seq, row_rank)):
         seq = seqs[i]
         if seq.num_output_tokens + (0 if multi_step else k) < seq.params.min_tokens:  # steps > 1: the device decides
@@ -145,6 +198,7 @@ def build_verify_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...], dra
     return StepBatch(
         token_ids=token_ids, positions=positions, q_lens=counts, kv_lens=starts + counts,
         block_tables=[s.block_table for s in seqs], sampling=sampling_rows(seqs).take(row_seq), suppress_ids=suppress,
+        adjust=None if (rows := adjust_rows(seqs, 1)) is None else rows.take(row_seq),  # (never drafted for)
         num_top_logprobs=max((s.params.logprobs or 0 for s in seqs), default=0), kind="verify",
         sampling_record=any(s.params.sampling_record for s in seqs),
         logits_indices=np.arange(len(token_ids), dtype=np.int32), replicas=np.array([s.replica for s in seqs], np.int32),

@@ -133,7 +133,9 @@ class ModelRunner:
             shardings = jax.tree.map(lambda x: self._input_sharding if np.ndim(x) else self._scalar_sharding, padded)
             device_batch = jax.device_put(padded, shardings)
         leaves = self._leaves()
-        num_top = self.max_logprobs if batch.num_top_logprobs > 0 else 0
+        # two program sizes: the engine's usual top logprobs, and the whole vocabulary (`logprobs=-1`) past it
+        k = batch.num_top_logprobs
+        num_top = 0 if k == 0 else self.max_logprobs if k <= self.max_logprobs else self.config.vocab_size
         num_kept = self.max_kept_ids if batch.sampling_record else 0
         multi_step = batch.num_steps is not None
         if batch.kind == "verify" and batch.draft_slots is not None:  # the EAGLE-3 head drafts in the program
@@ -186,7 +188,8 @@ class ModelRunner:
         k = batch.num_top_logprobs
         return PendingStep((out,), lambda host: StepResult(
             host[0].token_ids[:, rows], host[0].logprobs[:, rows], host[0].top_ids[:, rows, :k],
-            host[0].top_logprobs[:, rows, :k], **record_rows(host[0], (slice(None), rows))), rows=rows, last_tokens=last)
+            host[0].top_logprobs[:, rows, :k], ranks=host[0].ranks[:, rows], **record_rows(host[0], (slice(None), rows))),
+            rows=rows, last_tokens=last)
 
     def _leaves(self) -> tuple[list[Array], list[Array]]:
         """Params and rest as the flat leaf lists the compiled programs take; taken per call (not

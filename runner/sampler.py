@@ -49,6 +49,7 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
+from runner.logits_processors import apply_processors
 from runner.sampler_blocks import (Suppressed, argmax_blocks, argmax_last, block_view, draw, race_from_blocks, row_bits,
                                    row_keys, suppress)
 from runner.sampler_filters import NUM_CANDIDATES, filter_mask, filtered_draw, processed_for_logprobs
@@ -78,16 +79,18 @@ class SamplerOutput:
     kept_logmass: Float[Array, "S"] | None = None
     kept_counts: Int[Array, "S"] | None = None
     kept_ids: Int[Array, "S M"] | None = None
+    ranks: Int[Array, "S"] | None = None  # 1 + tokens scoring above the sampled one (0 where no logprob was asked)
 
 
-def kept_record(raw: Float[Array, "S V"], inputs: SamplingInputs, greedy: Bool[Array, "S"], divisor: Float[Array, "S"],
+def kept_record(raw: Float[Array, "S V"], base: Float[Array, "S V"], inputs: SamplingInputs, greedy: Bool[Array, "S"], divisor: Float[Array, "S"],
                 *, filtered: bool, num_kept: int, num_candidates: int = NUM_CANDIDATES
                 ) -> tuple[Float[Array, "S"], Int[Array, "S"], Int[Array, "S M"]]:
     """Each row's kept set under the distribution it samples from (suppression, then top-k / top-p / min-p
     when `filtered`; a greedy row's at temperature 1, as its processed logprobs): (log of its mass under
     softmax(raw / T), its size, its `num_kept` most likely ids padded with -1). A trainer recovers the
-    processed logprob of token t as `log_softmax(logits / T)[t] - kept_logmass`."""
-    scaled = suppress(raw, inputs.suppress_ids) / divisor[:, None]
+    processed logprob of token t as `log_softmax(logits / T)[t] - kept_logmass`. `base`: `raw` after the
+    logits processors (only ones that mask tokens out may be on when a record is asked for)."""
+    scaled = suppress(base, inputs.suppress_ids) / divisor[:, None]
     if filtered:
         scaled = jnp.where(filter_mask(scaled, inputs, greedy, num_candidates), scaled, -jnp.inf)
     log_mass = jax.nn.logsumexp(scaled, axis=1) - jax.nn.logsumexp(raw / divisor[:, None], axis=1)
@@ -198,47 +201,62 @@ def sample(
     `num_candidates` (static): "filtered" first filters the top-C logits of each row and falls back
     to sorting whole rows only when some row's kept set may extend past them (same result).
     `num_kept` (static) > 0: also the sampling record (`kept_record`) of every row.
+    `inputs.adjust`: the rows' logits processors (`runner.logits_processors`), applied before all of it.
     """
     if mode not in MODES:
         raise ValueError(f"unknown sampling mode {mode!r}; expected one of {MODES}")
-    out = _sample(logits, inputs, mode=mode, num_top_logprobs=num_top_logprobs, num_candidates=num_candidates)
+    raw = logits.astype(jnp.float32)
+    base = raw if inputs.adjust is None else apply_processors(raw, inputs.adjust)
+    out = _sample(raw, base, inputs, mode=mode, num_top_logprobs=num_top_logprobs, num_candidates=num_candidates)
     if num_kept == 0:
         return out
     temperature = inputs.temperature.astype(jnp.float32)
     greedy = temperature < GREEDY_EPS
-    log_mass, counts, ids = kept_record(logits.astype(jnp.float32), inputs, greedy, jnp.where(greedy, 1.0, temperature),
+    log_mass, counts, ids = kept_record(raw, base, inputs, greedy, jnp.where(greedy, 1.0, temperature),
                                         filtered=mode == "filtered", num_kept=num_kept, num_candidates=num_candidates)
     return dataclasses.replace(out, kept_logmass=log_mass, kept_counts=counts, kept_ids=ids)
 
 
-def _sample(logits: Float[Array, "S V"], inputs: SamplingInputs, *, mode: Mode, num_top_logprobs: int,
-            num_candidates: int) -> SamplerOutput:
-    """`sample` without the sampling record."""
-    raw = logits.astype(jnp.float32)
+def _rank(values: Float[Array, "S V"], picked: Float[Array, "S"]) -> Int[Array, "S"]:
+    """1 + how many tokens of each row score above its sampled one (vLLM's `Logprob.rank`)."""
+    return 1 + jnp.sum(values > picked[:, None], axis=1).astype(jnp.int32)
+
+
+def _sample(raw: Float[Array, "S V"], base: Float[Array, "S V"], inputs: SamplingInputs, *, mode: Mode,
+            num_top_logprobs: int, num_candidates: int) -> SamplerOutput:
+    """`sample` without the sampling record: tokens from `base` (the processed logits before
+    temperature), raw logprobs from `raw`."""
     num_rows, vocab = raw.shape
     temperature = inputs.temperature.astype(jnp.float32)
     greedy = temperature < GREEDY_EPS
     divisor = jnp.where(greedy, 1.0, temperature)
     want_processed = inputs.processed.astype(jnp.bool_)
     no_top_ids, no_top_logprobs = jnp.zeros((num_rows, 0), jnp.int32), jnp.zeros((num_rows, 0), jnp.float32)
-    if mode == "random" and inputs.draft_ids is None and num_top_logprobs == 0:
-        token_ids, processed_logprobs = _sample_random(raw, inputs, divisor, greedy)
-        wants_raw = ~want_processed if inputs.want_logprob is None else inputs.want_logprob & ~want_processed
-        raw_logprobs = lax.cond(
-            jnp.any(wants_raw), lambda: _token_logprob(raw, token_ids), lambda: jnp.zeros(num_rows, jnp.float32)
-        )
+    no_ranks = jnp.zeros(num_rows, jnp.int32)
+    fast = inputs.draft_ids is None and inputs.as_logits is None and num_top_logprobs == 0
+    if mode == "random" and fast:
+        token_ids, processed_logprobs = _sample_random(base, inputs, divisor, greedy)
+
+        def raw_logprob_and_rank() -> tuple[Float[Array, "S"], Int[Array, "S"]]:
+            raw_logprobs = _token_logprob(raw, token_ids)
+            scaled = suppress(base, inputs.suppress_ids) / divisor[:, None]
+            chosen = jnp.where(want_processed[:, None], scaled, raw)
+            return raw_logprobs, _rank(chosen, jnp.take_along_axis(chosen, token_ids[:, None], axis=1)[:, 0])
+
+        wants = jnp.bool_(True) if inputs.want_logprob is None else jnp.any(inputs.want_logprob)
+        raw_logprobs, ranks = lax.cond(wants, raw_logprob_and_rank, lambda: (jnp.zeros(num_rows, jnp.float32), no_ranks))
         token_logprobs = jnp.where(want_processed, processed_logprobs, raw_logprobs)
         return SamplerOutput(token_ids=token_ids, logprobs=token_logprobs, top_ids=no_top_ids,
-                             top_logprobs=no_top_logprobs)
+                             top_logprobs=no_top_logprobs, ranks=ranks)
     if mode == "greedy":  # suppression without a copy of the logits unless a logprob needs them
-        token_ids = argmax_last(raw, inputs.suppress_ids)
-        processed_fn = functools.partial(suppress, raw, inputs.suppress_ids)
+        token_ids = argmax_last(base, inputs.suppress_ids)
+        processed_fn = functools.partial(suppress, base, inputs.suppress_ids)
     elif mode == "filtered" and inputs.draft_ids is None:
-        scaled = suppress(raw, inputs.suppress_ids) / divisor[:, None]
+        scaled = suppress(base, inputs.suppress_ids) / divisor[:, None]
         token_ids = jnp.where(greedy, argmax_last(scaled), filtered_draw(scaled, inputs, num_candidates))
         processed_fn = functools.partial(processed_for_logprobs, scaled, inputs, greedy, num_candidates)
     else:
-        scaled = suppress(raw, inputs.suppress_ids) / divisor[:, None]
+        scaled = suppress(base, inputs.suppress_ids) / divisor[:, None]
         if mode == "filtered":
             processed = jnp.where(filter_mask(scaled, inputs, greedy, num_candidates), scaled, -jnp.inf)
         else:
@@ -247,24 +265,32 @@ def _sample(logits: Float[Array, "S V"], inputs: SamplingInputs, *, mode: Mode, 
         token_ids = jnp.where(greedy, argmax_last(processed), drawn)
         processed_fn = lambda: processed  # noqa: E731
 
-    if num_top_logprobs > 0:
-        chosen_logits = jnp.where(want_processed[:, None], processed_fn(), raw)
-        chosen = jax.nn.log_softmax(chosen_logits, axis=1)
-        # the sampled token's logprob by the same formula as without alternatives: a row's bits do not
+    def chosen_values() -> tuple[Float[Array, "S V"], Float[Array, "S"], Float[Array, "S"], Int[Array, "S"]]:
+        """Each row's logits in its mode, the sampled token's logit, its logprob, its rank."""
+        chosen = jnp.where(want_processed[:, None], processed_fn(), raw)
+        picked = jnp.take_along_axis(chosen, token_ids[:, None], axis=1)[:, 0]
+        # the sampled token's logprob by one formula with or without alternatives: a row's bits do not
         # depend on whether another row of the step asked for top logprobs
-        token_logprobs = _token_logprob(chosen_logits, token_ids)
-        top_logprobs, top_ids = lax.top_k(chosen, min(num_top_logprobs, vocab))
+        return chosen, picked, picked - jax.nn.logsumexp(chosen, axis=1), _rank(chosen, picked)
+
+    if num_top_logprobs > 0:
+        chosen, picked, token_logprobs, ranks = chosen_values()
+        top_logprobs, top_ids = lax.top_k(jax.nn.log_softmax(chosen, axis=1), min(num_top_logprobs, vocab))
         top_ids = top_ids.astype(jnp.int32)
+        if inputs.as_logits is not None:
+            logits_rows = inputs.as_logits[:, None]
+            top_logprobs = jnp.where(logits_rows, jnp.take_along_axis(chosen, top_ids, axis=1), top_logprobs)
+            token_logprobs = jnp.where(inputs.as_logits, picked, token_logprobs)
     else:
-        # One log-sum-exp over each row's chosen logits (not one per kind, then a select).
-        def logprob() -> Float[Array, "S"]:
-            return _token_logprob(jnp.where(want_processed[:, None], processed_fn(), raw), token_ids)
+        def logprob_and_rank() -> tuple[Float[Array, "S"], Int[Array, "S"]]:
+            _, picked, logprob, ranks = chosen_values()
+            return (logprob if inputs.as_logits is None else jnp.where(inputs.as_logits, picked, logprob)), ranks
 
         if inputs.want_logprob is None:
-            token_logprobs = logprob()
+            token_logprobs, ranks = logprob_and_rank()
         else:
-            token_logprobs = lax.cond(jnp.any(inputs.want_logprob), logprob, lambda: jnp.zeros(num_rows, jnp.float32))
+            token_logprobs, ranks = lax.cond(jnp.any(inputs.want_logprob), logprob_and_rank,
+                                             lambda: (jnp.zeros(num_rows, jnp.float32), no_ranks))
         top_ids, top_logprobs = no_top_ids, no_top_logprobs
-    return SamplerOutput(
-        token_ids=token_ids, logprobs=token_logprobs, top_ids=top_ids, top_logprobs=top_logprobs
-    )
+    return SamplerOutput(token_ids=token_ids, logprobs=token_logprobs, top_ids=top_ids, top_logprobs=top_logprobs,
+                         ranks=ranks)

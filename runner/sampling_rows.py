@@ -9,9 +9,10 @@ from collections.abc import Sequence
 import numpy as np
 from jaxtyping import Bool, Float, Int, UInt32
 
-# (temperature, top_k (0 = off), top_p, min_p, seed, sample_index, processed logprobs, wants a logprob)
-SamplingRow = tuple[float, int, float, float, int, int, bool, bool]
-_DTYPES = (np.float32, np.int32, np.float32, np.float32, np.uint32, np.int32, np.bool_, np.bool_)
+# (temperature, top_k (0 = off), top_p, min_p, seed, sample_index, processed logprobs, wants a logprob,
+#  reports logits instead of logprobs)
+SamplingRow = tuple[float, int, float, float, int, int, bool, bool, bool]
+_DTYPES = (np.float32, np.int32, np.float32, np.float32, np.uint32, np.int32, np.bool_, np.bool_, np.bool_)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +28,7 @@ class SamplingRows:
     sample_index: Int[np.ndarray, "N"]  # which of its request's n samples the row's sequence is
     processed: Bool[np.ndarray, "N"]  # logprobs of the processed distribution (else the raw logits')
     want_logprob: Bool[np.ndarray, "N"]  # rows whose sampled token's logprob is returned
+    as_logits: Bool[np.ndarray, "N"]  # rows that report logits, not logprobs (`logprobs_mode` *_logits)
 
     @classmethod
     def from_rows(cls, rows: Sequence[SamplingRow]) -> "SamplingRows":

@@ -18,6 +18,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from runner.attention import AttentionMetadata
 from runner.buckets import BucketConfig, pick
+from runner.logits_processors import AdjustRows, LogitsAdjust
 from runner.sampling_rows import SamplingRows
 
 SAMPLER_MODES = ("greedy", "random", "filtered")
@@ -47,6 +48,11 @@ class SamplingInputs:
     # Without top-k: "greedy" and "filtered" skip the log-sum-exp when no row wants one (zeros),
     # "random" skips the raw one when no row wants it (its processed logprob comes from the draw's sums).
     want_logprob: Bool[Array, "S"] | None = None
+    # vLLM's logits processors (penalties, bias, allowed ids, bad words); None: no row uses one
+    adjust: LogitsAdjust | None = None
+    # rows that report logits instead of logprobs (`logprobs_mode` "raw_logits" / "processed_logits");
+    # None: none does
+    as_logits: Bool[Array, "S"] | None = None
 
 
 StepKind = Literal["prefill", "decode", "verify"]
@@ -65,6 +71,7 @@ class StepBatch:
     suppress_ids: np.ndarray  # [S, MAX_SUPPRESS] ids forbidden this step, -1 = none
     num_top_logprobs: int = 0
     sampling_record: bool = False  # also return each sampled row's kept mass and kept ids (`SamplerOutput`)
+    adjust: AdjustRows | None = None  # [N] rows' logits processors; None: no row uses one
     # what the step does: "prefill" (prompt tokens, chunks, recomputation; samples after each sequence's
     # last token if it reaches its end), "decode" (one token per sequence, or `num_steps` in one device
     # loop) or "verify" (each sequence's last token and drafts, a sampled row per token)
@@ -165,6 +172,7 @@ def split_replicas(b: StepBatch, num_replicas: int, blocks_per_replica: int
             kv_lens=b.kv_lens[seq_mask],
             block_tables=[[blk - offset for blk in t] for t, m in zip(b.block_tables, seq_mask) if m],
             sampling=b.sampling.take(rows), suppress_ids=row(b.suppress_ids),
+            adjust=None if b.adjust is None else b.adjust.take(rows),
             target_ids=None if b.target_ids is None else b.target_ids[tok_mask],
             draft_ids=None if b.draft_ids is None else row(b.draft_ids),
             draft_slots=None if b.draft_slots is None else b.draft_slots[tok_mask],
@@ -292,7 +300,9 @@ def _pad_one(b: StepBatch, s: _Shape) -> DeviceBatch:
         positions=pad(sample_positions, rows), processed=pad(r.processed, rows, False, np.bool_),
         suppress_ids=pad(b.suppress_ids, rows, -1),
         draft_ids=None if b.draft_ids is None else pad(b.draft_ids, rows, -1),
-        want_logprob=pad(r.want_logprob, rows, False, np.bool_))
+        want_logprob=pad(r.want_logprob, rows, False, np.bool_),
+        adjust=None if b.adjust is None else b.adjust.padded(rows),
+        as_logits=pad(r.as_logits, rows, False, np.bool_) if r.as_logits.any() else None)
     return DeviceBatch(
         token_ids=pad(b.token_ids, s.padded_tokens), positions=pad(b.positions, s.padded_tokens),
         md=AttentionMetadata(slot_mapping=slot_mapping, kv_lens=kv_lens, page_indices=page_indices,

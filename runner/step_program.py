@@ -21,6 +21,7 @@ from jaxtyping import Array, Float, Int
 
 from runner.attention import AttentionMetadata, cache_geometry, paged_slots
 from runner.models.family import CausalLM, KVCaches
+from runner.logits_processors import LogitsAdjust, append_outputs
 from runner.sampler import SamplerOutput, sample
 from runner.step_inputs import SAMPLER_MODES, DeviceBatch
 
@@ -111,16 +112,17 @@ def decode_loop(model: CausalLM, kv_caches: KVCaches, batch: DeviceBatch, state:
     num_slots = num_pages * page_size
     last = jnp.maximum(chunk.num_steps - 1, 0)  # [R, N] a row's last step
 
-    def body(carry: tuple[Array, KVCaches, Array, Array, SamplerOutput, LoopState]
-             ) -> tuple[Array, KVCaches, Array, Array, SamplerOutput, LoopState]:
-        t, kv, token_ids, active, outs, state = carry
+    def body(carry: tuple[Array, KVCaches, Array, Array, SamplerOutput, LoopState, LogitsAdjust | None]
+             ) -> tuple[Array, KVCaches, Array, Array, SamplerOutput, LoopState, LogitsAdjust | None]:
+        t, kv, token_ids, active, outs, state, adjust = carry
         positions = batch.positions + jnp.minimum(t, last)
         slots = paged_slots(md.page_indices, positions, page_size, num_slots, active)
         suppress = jnp.where((t < chunk.suppress_steps)[..., None], sampling.suppress_ids, -1)
         step = dataclasses.replace(
             batch, token_ids=token_ids, positions=positions,
             md=dataclasses.replace(md, slot_mapping=slots, kv_lens=jnp.where(chunk.num_steps > 0, positions + 1, 0)),
-            sampling=dataclasses.replace(sampling, positions=positions + 1, suppress_ids=suppress), chunk=None)
+            sampling=dataclasses.replace(sampling, positions=positions + 1, suppress_ids=suppress, adjust=adjust),
+            chunk=None)
         kv, out, _, aux = forward_and_sample(model, kv, step, num_top=num_top, token_logprobs=False,
                                              aux_layers=aux_layers, kv_sharding=kv_sharding, num_kept=num_kept)
         if after_step is not None:
@@ -129,7 +131,9 @@ def decode_loop(model: CausalLM, kv_caches: KVCaches, batch: DeviceBatch, state:
         outs = jax.tree.map(lambda buf, x: buf.at[t].set(x), outs, out)
         sampled = out.token_ids.reshape(token_ids.shape).astype(token_ids.dtype)
         stopped = jnp.any(sampled[..., None] == chunk.stop_ids, axis=-1)
-        return t + 1, kv, sampled, active & ~stopped & (t + 1 < chunk.num_steps), outs, state
+        if adjust is not None:  # later steps' penalties and bad words see this token
+            adjust = jax.vmap(append_outputs)(adjust, sampled, active)
+        return t + 1, kv, sampled, active & ~stopped & (t + 1 < chunk.num_steps), outs, state, adjust
 
     num_rows = batch.token_ids.shape[0] * batch.token_ids.shape[1]
     record = {} if num_kept == 0 else dict(
@@ -137,9 +141,10 @@ def decode_loop(model: CausalLM, kv_caches: KVCaches, batch: DeviceBatch, state:
         kept_ids=jnp.zeros((max_steps, num_rows, num_kept), jnp.int32))
     outs = SamplerOutput(jnp.zeros((max_steps, num_rows), jnp.int32), jnp.zeros((max_steps, num_rows), jnp.float32),
                          jnp.zeros((max_steps, num_rows, num_top), jnp.int32),
-                         jnp.zeros((max_steps, num_rows, num_top), jnp.float32), **record)
-    carry = (jnp.int32(0), kv_caches, batch.token_ids, chunk.num_steps > 0, outs, state)
-    _, kv_caches, _, _, outs, state = jax.lax.while_loop(lambda c: jnp.any(c[3]), body, carry)
+                         jnp.zeros((max_steps, num_rows, num_top), jnp.float32), **record,
+                         ranks=jnp.zeros((max_steps, num_rows), jnp.int32))
+    carry = (jnp.int32(0), kv_caches, batch.token_ids, chunk.num_steps > 0, outs, state, sampling.adjust)
+    _, kv_caches, _, _, outs, state, _ = jax.lax.while_loop(lambda c: jnp.any(c[3]), body, carry)
     return kv_caches, outs, state
 
 

@@ -32,6 +32,7 @@ class StepResult:
     kept_logmass: Float[np.ndarray, "steps rows"] | None = None
     kept_counts: Int[np.ndarray, "steps rows"] | None = None
     kept_ids: Int[np.ndarray, "steps rows M"] | None = None
+    ranks: Int[np.ndarray, "steps rows"] | None = None  # of the sampled token in each row's mode (vLLM's rank)
 
     @property
     def steps(self) -> int:
@@ -51,7 +52,8 @@ class PendingStep:
 def sampled_rows(out: SamplerOutput, rows: np.ndarray, num_top: int) -> StepResult:
     """The sampled rows of a one-step (host) output in the batch's order, `num_top` alternatives each."""
     return StepResult(out.token_ids[None, rows], out.logprobs[None, rows], out.top_ids[None, rows, :num_top],
-                      out.top_logprobs[None, rows, :num_top], **record_rows(out, (None, rows)))
+                      out.top_logprobs[None, rows, :num_top], ranks=out.ranks[None, rows],
+                      **record_rows(out, (None, rows)))
 
 
 def record_rows(out: SamplerOutput, index: tuple) -> dict[str, np.ndarray]:

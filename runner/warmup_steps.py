@@ -106,7 +106,7 @@ class DummySteps:
         return StepBatch(
             token_ids=np.zeros(len(positions), np.int32), positions=positions, q_lens=q_lens, kv_lens=kv_lens,
             block_tables=[[drop] * pages] * num_seqs,
-            sampling=SamplingRows.from_rows([(1.0, 0, 1.0, 0.0, 0, 0, False, True)] * num_seqs),
+            sampling=SamplingRows.from_rows([(1.0, 0, 1.0, 0.0, 0, 0, False, True, False)] * num_seqs),
             suppress_ids=np.full((num_seqs, MAX_SUPPRESS), -1, np.int32), kind="decode" if decode else "prefill",
             num_steps=np.ones(num_seqs, np.int32) if chunk else None,
             suppress_steps=np.zeros(num_seqs, np.int32) if chunk else None,

@@ -534,7 +534,7 @@ def test_no_compilation_after_warmup_prompt_logprobs(model: LlamaForCausalLM) ->
 BAD_PARAMS = [
     dict(temperature=-0.1), dict(temperature=float("nan")), dict(temperature=float("inf")),
     dict(top_p=0.0), dict(top_p=1.5), dict(top_p=-0.1), dict(top_k=-2), dict(n=0), dict(max_tokens=0),
-    dict(min_tokens=5, max_tokens=4), dict(min_p=1.5), dict(logprobs=-1), dict(stop=[""]), dict(seed=-1),
+    dict(min_tokens=5, max_tokens=4), dict(min_p=1.5), dict(logprobs=-2), dict(stop=[""]), dict(seed=-1),
 ]
 
 
@@ -589,7 +589,7 @@ def test_a_failed_step_leaves_no_prefix_cached(engine: Engine, ref: Reference, m
 
 
 def test_engine_config_is_validated_before_any_load() -> None:
-    for bad in (dict(seed=-1), dict(seed=1.5), dict(max_logprobs=-1), dict(max_logprobs=2.0)):
+    for bad in (dict(seed=-1), dict(seed=1.5), dict(max_logprobs=-2), dict(max_logprobs=2.0)):
         with pytest.raises(ValueError, match="seed|max_logprobs"):
             Engine.from_pretrained("/nonexistent/checkpoint", **bad)  # the config fails first
 

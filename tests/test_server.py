@@ -117,7 +117,7 @@ def test_streaming_adds_up_to_the_whole_completion(client: openai.OpenAI) -> Non
 def test_bad_requests_get_400_and_the_server_keeps_serving(server, client: openai.OpenAI) -> None:
     url, engine = server
     cases = [dict(model="other", prompt="x"), dict(model="tiny", prompt="x", max_tokens=-1),
-             dict(model="tiny", prompt="x" * 200), dict(model="tiny", prompt="x", presence_penalty=0.5),
+             dict(model="tiny", prompt="x" * 200), dict(model="tiny", prompt="x", presence_penalty=2.5),
              dict(model="tiny", prompt=[]), dict(model="tiny", prompt="x", extra_body={"no_such_field": 1})]
     for kw in cases:
         with pytest.raises(openai.BadRequestError) as err:
@@ -132,6 +132,9 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(server, client: opena
     assert _http("GET", url + "/health")[0] == 200
     assert [m.id for m in client.models.list().data] == ["tiny"]
     assert client.completions.create(model="tiny", prompt="ok", max_tokens=3).choices[0].text is not None
+    biased = client.completions.create(model="tiny", prompt="ok", max_tokens=3, temperature=0.0,
+                                       logit_bias={"65": 100.0}, presence_penalty=0.1)
+    assert biased.choices[0].text == "AAA"  # the ByteTokenizer's id 65: processors reach the engine
     assert not engine.requests
 
 

@@ -45,12 +45,10 @@ class _Common(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+
     def _check_unsupported(self) -> None:
-        for name, neutral in (("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("repetition_penalty", 1.0)):
-            if getattr(self, name) != neutral:
-                raise ValueError(f"{name} is not supported by this engine; leave it at {neutral}")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported by this engine; leave it out")
         unknown = sorted(set(self.model_extra or ()))
         if unknown:
             raise ValueError(f"unknown request fields {unknown}; see the server's API documentation for the "
@@ -65,6 +63,9 @@ class _Common(BaseModel):
             min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             logprobs=logprobs, prompt_logprobs=self.prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias,
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
             output_kind="delta" if self.stream else "final_only")
 
     @property

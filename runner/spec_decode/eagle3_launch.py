@@ -62,7 +62,7 @@ def launch_draft_verify_steps(runner: ModelRunner, batch: StepBatch, leaves: tup
     def finish(host: tuple[SamplerOutput, Array]) -> StepResult:
         out, drafts = host
         return StepResult(out.token_ids[:ran, rows], out.logprobs[:ran, rows], out.top_ids[:ran, rows, :k],
-                          out.top_logprobs[:ran, rows, :k],
+                          out.top_logprobs[:ran, rows, :k], ranks=out.ranks[:ran, rows],
                           draft_ids=np.asarray(drafts)[:ran].reshape(ran, -1, num_drafts)[:, seqs])
 
     return PendingStep((out, drafts), finish)

@@ -240,7 +240,8 @@ def _draft_verify_steps(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: Tr
     num_rows = num_replicas * num_tokens
     outs = SamplerOutput(jnp.zeros((max_iters, num_rows), jnp.int32), jnp.zeros((max_iters, num_rows), jnp.float32),
                              jnp.zeros((max_iters, num_rows, num_top), jnp.int32),
-                             jnp.zeros((max_iters, num_rows, num_top), jnp.float32))
+                             jnp.zeros((max_iters, num_rows, num_top), jnp.float32),
+                             ranks=jnp.zeros((max_iters, num_rows), jnp.int32))
     all_drafts = jnp.zeros((max_iters, *first.shape, num_steps), jnp.int32)
 
     def body(carry: tuple) -> tuple:
