@@ -42,8 +42,9 @@ class TunixTokenizer:
         return self.tokenizer.eos_token_id
 
     def pad_id(self) -> int:
-        pad = self.tokenizer.pad_token_id
-        return pad if pad is not None else self.tokenizer.eos_token_id
+        """SmolLM2's `<|endoftext|>` (0), never in a chat prompt: Tunix masks every pad-valued token, and
+        the tokenizer's own pad (`<|im_end|>`, its EOS) ends every chat turn."""
+        return 0
 
 
 def _engine_to_tunix(hidden: int, heads: int, kv_heads: int, head_dim: int) -> tuple[Rule, ...]:

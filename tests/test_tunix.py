@@ -61,7 +61,8 @@ def make_tunix(family: str, seed: int = 0, tied: bool = False) -> nnx.Module:
         model = qwen2.Qwen2(qwen2.ModelConfig(**common_kw, rope_theta=10_000, use_tied_embedding=tied),
                             rngs=nnx.Rngs(seed))
     else:
-        model = qwen3.Qwen3(qwen3.ModelConfig(**common_kw, rope_theta=1_000_000, use_tied_embedding=tied),
+        moe = dict(num_experts=4, num_experts_per_tok=2) if family == "qwen3_moe" else {}
+        model = qwen3.Qwen3(qwen3.ModelConfig(**common_kw, rope_theta=1_000_000, use_tied_embedding=tied, **moe),
                             rngs=nnx.Rngs(seed))
     rng = np.random.default_rng(seed)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -70,7 +71,10 @@ def make_tunix(family: str, seed: int = 0, tied: bool = False) -> nnx.Module:
         name = jax.tree_util.keystr(path)
         if "norm" in name:
             return jnp.asarray(1.0 + 0.2 * rng.standard_normal(x.shape), x.dtype)
-        fan_in = x.shape[0] if x.ndim > 1 and "o_proj" not in name else int(np.prod(x.shape[:-1]))
+        if "o_proj" in name:
+            fan_in = int(np.prod(x.shape[:-1]))  # [heads, head_dim, embed]
+        else:
+            fan_in = x.shape[1] if x.ndim == 3 and "mlp" in name else x.shape[0]  # experts [E, in, out]
         scale = 1.0 if "embed" in name else 1.0 / np.sqrt(max(fan_in, 1))
         return jnp.asarray(scale * rng.standard_normal(x.shape), x.dtype)
 
@@ -91,7 +95,7 @@ def rollout_config(**kw: object) -> base_rollout.RolloutConfig:
     return base_rollout.RolloutConfig(**{**defaults, **kw})
 
 
-FAMILIES = [("llama3", False), ("llama3", True), ("qwen2", True), ("qwen3", False)]
+FAMILIES = [("llama3", False), ("llama3", True), ("qwen2", True), ("qwen3", False), ("qwen3_moe", False)]
 
 
 @pytest.mark.parametrize("family, tied", FAMILIES)
@@ -104,7 +108,7 @@ def test_engine_model_gives_tunix_logits(family: str, tied: bool) -> None:
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("family, tied", FAMILIES[:1] + FAMILIES[3:])
+@pytest.mark.parametrize("family, tied", FAMILIES[:1] + FAMILIES[3:4])
 def test_generate_update_params_and_logps(family: str, tied: bool) -> None:
     model = make_tunix(family, tied=tied)
     cfg = rollout_config()
@@ -172,6 +176,33 @@ def test_groups_sample_distinct_completions_and_bad_config_is_refused() -> None:
     with pytest.raises(ValueError, match="filter_types"):
         rollout.update_params(nnx.state(model, nnx.LoRAParam), (nnx.LoRAParam,))
     assert len(rollout.generate(["x"], cfg).tokens) == 1  # still usable
+
+
+class SpacePadTokenizer(CharTokenizer):
+    """Pad = the id of " ": prompts hold pad-valued tokens, which Tunix's trainer masks out."""
+
+    def pad_id(self) -> int:
+        return CharTokenizer().encode(" ")[0]
+
+
+def test_pad_valued_prompt_tokens_are_what_tunix_trains_on() -> None:
+    model = make_tunix("qwen3")
+    tok = SpacePadTokenizer()
+    cfg = rollout_config(temperature=0.8, seed=9, max_prompt_length=32)
+    rollout = JaxRollout(model, tok, None, cfg, max_num_seqs=8)
+    out = rollout.generate(["What is 2 + 3 ?", "a b c"], cfg)
+    pad = tok.pad_id()
+    assert int(np.sum(out.left_padded_prompt_tokens[0] == pad)) > 32 - len("What is 2 + 3 ?") - 1  # spaces kept
+    completions = np.full((2, 10), pad, np.int32)
+    for i, t in enumerate(out.tokens):
+        completions[i, :len(t)] = t
+    graphdef, state = nnx.split(model)
+    want = np.asarray(common.compute_per_token_logps(graphdef, state, jnp.asarray(out.left_padded_prompt_tokens),
+                                                     jnp.asarray(completions), pad, EOS, temperature=0.8))
+    for i, lp in enumerate(out.logprobs):
+        kept = np.flatnonzero(out.tokens[i] != pad)  # (a sampled pad token is masked by Tunix too)
+        kept = kept[kept < (np.argmax(out.tokens[i] == pad) if np.any(out.tokens[i] == pad) else len(lp))]
+        np.testing.assert_allclose(np.asarray(lp)[kept], want[i, kept], atol=1e-4)
 
 
 @pytest.mark.slow

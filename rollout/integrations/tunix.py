@@ -8,6 +8,9 @@ Tunix builds it from its rollout actor (a Tunix Llama3 / Qwen2 / Qwen3 model), t
 `RolloutConfig`; the engine's model is built from the actor's parameters in memory, and
 `update_params` syncs new ones in place (no reload, no compile). Each run of identical prompts (a
 GRPO group) becomes one request with n samples, so the group shares its prompt's KV blocks.
+Tunix's trainer masks every prompt token equal to the pad id (attention and positions skip it: a
+tokenizer whose pad is its EOS loses each `<|im_end|>` of a chat prompt that way), so the engine is
+given the prompt without them: it samples from the distribution Tunix trains.
 
 `RolloutConfig` fields: `max_tokens_to_generate`, `temperature` (0: greedy), `top_p`, `top_k`, `seed`,
 `max_prompt_length` (the width of `left_padded_prompt_tokens`, widened to the next power of two for a
@@ -114,8 +117,12 @@ class JaxRollout(base_rollout.BaseRollout):
         width = rollout_config.max_prompt_length
         if max(map(len, token_lists)) > width:
             width = _next_power_of_2(max(map(len, token_lists)))
+        pad = self.pad_id()
         runs: list[tuple[list[int], int]] = []
         for ids in token_lists:
+            ids = [t for t in ids if t != pad]  # what Tunix's trainer sees: it masks every pad-valued token
+            if not ids:
+                raise ValueError("a prompt is empty once the tokenizer's pad-valued tokens are dropped")
             if runs and runs[-1][0] == ids:
                 runs[-1] = (ids, runs[-1][1] + 1)
             else:
@@ -135,7 +142,6 @@ class JaxRollout(base_rollout.BaseRollout):
                     if c.kept_logmass is not None:  # undo the filters' renormalisation
                         values += np.asarray(c.kept_logmass[:n], np.float64)
                     logprobs.append(values.astype(np.float32))
-        pad = self.pad_id()
         left_padded = np.full((len(token_lists), width), pad, np.int32)
         for i, ids in enumerate(token_lists):
             left_padded[i, width - len(ids):] = ids
