@@ -16,6 +16,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
+from tunix.models.gemma3 import model as gemma3  # noqa: E402
 from tunix.models.llama3 import model as llama3  # noqa: E402
 from tunix.models.qwen2 import model as qwen2  # noqa: E402
 from tunix.models.qwen3 import model as qwen3  # noqa: E402
@@ -60,6 +61,11 @@ def make_tunix(family: str, seed: int = 0, tied: bool = False) -> nnx.Module:
     elif family == "qwen2":
         model = qwen2.Qwen2(qwen2.ModelConfig(**common_kw, rope_theta=10_000, use_tied_embedding=tied),
                             rngs=nnx.Rngs(seed))
+    elif family.startswith("gemma3"):  # six layers: five sliding (window 4), one global with linear RoPE scaling
+        model = gemma3.Gemma3(gemma3.ModelConfig(
+            num_layers=6, num_embed=VOCAB, embed_dim=32, hidden_dim=64, num_heads=4, head_dim=8,
+            num_kv_heads=4 if family == "gemma3_mha" else 2, sliding_window_size=4, local_base_frequency=10_000,
+            global_base_frequency=1_000_000, global_scale_factor=8.0, param_dtype=jnp.float32), rngs=nnx.Rngs(seed))
     else:
         moe = dict(num_experts=4, num_experts_per_tok=2) if family == "qwen3_moe" else {}
         model = qwen3.Qwen3(qwen3.ModelConfig(**common_kw, rope_theta=1_000_000, use_tied_embedding=tied, **moe),
@@ -71,8 +77,12 @@ def make_tunix(family: str, seed: int = 0, tied: bool = False) -> nnx.Module:
         name = jax.tree_util.keystr(path)
         if "norm" in name:
             return jnp.asarray(1.0 + 0.2 * rng.standard_normal(x.shape), x.dtype)
-        if "o_proj" in name:
+        if "o_proj" in name or "attn_vec" in name:
             fan_in = int(np.prod(x.shape[:-1]))  # [heads, head_dim, embed]
+        elif "kv_einsum" in name or "qkv_einsum" in name:
+            fan_in = x.shape[2]  # [2 or 3, heads, embed, head_dim]
+        elif "q_einsum" in name:
+            fan_in = x.shape[1]  # [heads, embed, head_dim]
         else:
             fan_in = x.shape[1] if x.ndim == 3 and "mlp" in name else x.shape[0]  # experts [E, in, out]
         scale = 1.0 if "embed" in name else 1.0 / np.sqrt(max(fan_in, 1))
@@ -95,7 +105,8 @@ def rollout_config(**kw: object) -> base_rollout.RolloutConfig:
     return base_rollout.RolloutConfig(**{**defaults, **kw})
 
 
-FAMILIES = [("llama3", False), ("llama3", True), ("qwen2", True), ("qwen3", False), ("qwen3_moe", False)]
+FAMILIES = [("llama3", False), ("llama3", True), ("qwen2", True), ("qwen3", False), ("qwen3_moe", False),
+            ("gemma3", True), ("gemma3_mha", True)]
 
 
 @pytest.mark.parametrize("family, tied", FAMILIES)
@@ -108,7 +119,7 @@ def test_engine_model_gives_tunix_logits(family: str, tied: bool) -> None:
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("family, tied", FAMILIES[:1] + FAMILIES[3:4])
+@pytest.mark.parametrize("family, tied", FAMILIES[:1] + FAMILIES[3:4] + FAMILIES[5:6])
 def test_generate_update_params_and_logps(family: str, tied: bool) -> None:
     model = make_tunix(family, tied=tied)
     cfg = rollout_config()

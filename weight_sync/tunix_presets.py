@@ -1,7 +1,9 @@
-"""Mappings from Tunix's own model classes (`tunix.models.llama3`, `qwen2`, `qwen3`, as of google-tunix
-0.1.7) to the engine's model: Tunix names (`embedder.input_embedding`, `layers.i.attn.q_proj.w`,
+"""Mappings from Tunix's own model classes (`tunix.models.llama3`, `qwen2`, `qwen3`, `gemma3`, as of
+google-tunix 0.1.7) to the engine's model: Tunix names (`embedder.input_embedding`, `layers.i.attn.q_proj.w`,
 `final_norm.w`) and its einsum-shaped attention kernels (`[embed, heads, head_dim]` for q/k/v,
-`[heads, head_dim, embed]` for o) -> the engine's `[in, out]` kernels. Plain data, like every preset;
+`[heads, head_dim, embed]` for o; Gemma 3's fused `qkv_einsum [3, heads, embed, head_dim]` or
+`q_einsum [heads, embed, head_dim]` + `kv_einsum [2, kv_heads, embed, head_dim]`) -> the engine's
+`[in, out]` kernels. Plain data, like every preset;
 the attention reshapes need the model's sizes, so each preset is a function of them.
 
     rules = weight_sync.tunix_presets.tunix_rules("qwen3", TunixShapes(hidden, heads, kv_heads, head_dim))
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from weight_sync.rules import Rule
+from weight_sync.rules import Rule, Split
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +31,7 @@ class TunixShapes:
             raise ValueError(f"TunixShapes takes positive integers, got {self}")
 
 
-TUNIX_FAMILIES = ("llama3", "qwen2", "qwen3")
+TUNIX_FAMILIES = ("llama3", "qwen2", "qwen3", "gemma3")
 
 
 def tunix_rules(family: str, shapes: TunixShapes) -> tuple[Rule, ...]:
@@ -40,6 +42,8 @@ def tunix_rules(family: str, shapes: TunixShapes) -> tuple[Rule, ...]:
     if family not in TUNIX_FAMILIES:
         raise ValueError(f"no Tunix mapping for family {family!r}; known: {', '.join(TUNIX_FAMILIES)}")
     h, q_width, kv_width = shapes.hidden_size, shapes.num_heads * shapes.head_dim, shapes.num_kv_heads * shapes.head_dim
+    if family == "gemma3":
+        return _gemma3_rules(h, q_width, kv_width)
     attn = "layers.*.attn"
     rules: list[Rule] = []  # the first matching rule wins: family-specific names first
     if family == "qwen3":
@@ -62,3 +66,26 @@ def tunix_rules(family: str, shapes: TunixShapes) -> tuple[Rule, ...]:
         Rule("lm_head.w", "lm_head.kernel"),
     ]
     return tuple(rules)
+
+
+def _gemma3_rules(h: int, q_width: int, kv_width: int) -> tuple[Rule, ...]:
+    """Tunix's `Gemma3` (text) -> the engine's Gemma 3: einsum attention, (1 + w) norms on both sides."""
+    attn, ours = "layers.*.attn", "layers.*.self_attn"
+    qkv = tuple(f"{ours}.{p}_proj.kernel" for p in "qkv")
+    return (
+        Rule("embedder.input_embedding", "embed_tokens"),
+        Rule(f"{attn}.qkv_einsum.w", qkv, transpose=(2, 0, 1, 3), reshape=(h, q_width + 2 * kv_width),
+             split=Split(1, (q_width, kv_width, kv_width))),
+        Rule(f"{attn}.q_einsum.w", f"{ours}.q_proj.kernel", transpose=(1, 0, 2), reshape=(h, q_width)),
+        Rule(f"{attn}.kv_einsum.w", qkv[1:], transpose=(2, 0, 1, 3), reshape=(h, 2 * kv_width),
+             split=Split(1, (kv_width, kv_width))),
+        Rule(f"{attn}.attn_vec_einsum.w", f"{ours}.o_proj.kernel", reshape=(q_width, h)),
+        Rule(f"{attn}._query_norm.scale", f"{ours}.q_norm.scale"),
+        Rule(f"{attn}._key_norm.scale", f"{ours}.k_norm.scale"),
+        Rule("layers.*.pre_attention_norm.scale", "layers.*.input_layernorm.scale"),
+        Rule("layers.*.post_attention_norm.scale", "layers.*.post_attention_layernorm.scale"),
+        Rule("layers.*.pre_ffw_norm.scale", "layers.*.pre_feedforward_layernorm.scale"),
+        Rule("layers.*.post_ffw_norm.scale", "layers.*.post_feedforward_layernorm.scale"),
+        Rule("layers.*.mlp.*.kernel", "layers.*.mlp.*.kernel"),
+        Rule("final_norm.scale", "norm.scale"),
+    )
