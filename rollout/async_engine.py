@@ -82,6 +82,7 @@ class AsyncEngine:
         """`Engine.sync_weights` between two steps; running requests go on under the new weights."""
         async with self._lock:
             await asyncio.to_thread(self.engine.sync_weights, params, mapping, **kwargs)
+        self._work.set()  # a new version may admit held samples
 
     async def close(self) -> None:
         """Stop the background task (unfinished requests stay in the engine)."""
@@ -100,8 +101,8 @@ class AsyncEngine:
             await self._work.wait()
             self._work.clear()
             while True:
-                async with self._lock:
-                    if not self.engine.has_unfinished_requests():
+                async with self._lock:  # (held by lag-aware admission: wait for a sync or a new request)
+                    if not self.engine.has_unfinished_requests() or self.engine.admission_held():
                         break
                     try:
                         outs = await asyncio.to_thread(self.engine.step)

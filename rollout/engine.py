@@ -119,6 +119,12 @@ class Engine(EngineCore):
         bar = tqdm(total=len(mine), desc="generate", disable=not use_tqdm)
         try:
             while len(results) < len(mine):
+                if self.admission_held():
+                    raise RuntimeError(
+                        f"lag-aware admission holds every waiting sample (max_policy_lag={self.config.max_policy_lag}, "
+                        f"samples_per_version={self.config.samples_per_version}: {self.scheduler.num_started} "
+                        "started): a blocking generate() cannot wait for sync_weights; use add_request/step or "
+                        "AsyncEngine, or ask for fewer samples per call")
                 for out in self.step():
                     if out.request_id in results or out.request_id not in wanted:  # final-only: one output each
                         self._deferred.append(out)  # another caller's request: kept for its next step()
@@ -190,7 +196,7 @@ class Engine(EngineCore):
         """Counters since the engine was built (a copy)."""
         backend = self.runner.backend.status()
         return dataclasses.replace(
-            self.stats_, num_preemptions=self.scheduler.num_preemptions,
+            self.stats_, num_preemptions=self.scheduler.num_preemptions, num_lag_held=self.scheduler.num_held,
             prefix_cache_hit_tokens=self.block_manager.num_cache_hit_tokens,
             prefix_cache_queried_tokens=self.block_manager.num_cache_queried_tokens,
             num_compilations=num_compilations() - self._compiles_at_start,

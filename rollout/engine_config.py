@@ -71,6 +71,11 @@ class EngineConfig:
     # after which its lag counts from the new version. None: no bound.
     max_policy_lag: int | None = None
     policy_lag_action: str = "abort"
+    # Lag-aware admission (AReaL's staleness control), with `max_policy_lag`: the trainer consumes this many
+    # samples per policy version; a new sample starts only while at most (versions since the engine began
+    # + max_policy_lag + 1) x this many have started, so no sample needs to outlive the bound. The rest
+    # wait in the queue until a sync. None: admission ignores the lag.
+    samples_per_version: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "block_size"):
@@ -109,6 +114,11 @@ class EngineConfig:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
         if self.max_policy_lag is not None and (not isinstance(self.max_policy_lag, int) or self.max_policy_lag < 0):
             raise ValueError(f"max_policy_lag must be None or an integer >= 0, got {self.max_policy_lag!r}")
+        if self.samples_per_version is not None and (not isinstance(self.samples_per_version, int)
+                                                     or self.samples_per_version < 1):
+            raise ValueError(f"samples_per_version must be None or an integer >= 1, got {self.samples_per_version!r}")
+        if self.samples_per_version is not None and self.max_policy_lag is None:
+            raise ValueError("samples_per_version bounds admission by max_policy_lag: set max_policy_lag too")
         if self.policy_lag_action not in ("abort", "recompute"):
             raise ValueError(f"policy_lag_action must be 'abort' or 'recompute', got {self.policy_lag_action!r}")
         if self.compilation_cache_dir is not None and (not isinstance(self.compilation_cache_dir, str)
@@ -135,6 +145,7 @@ class EngineStats:
     num_ahead_calls: int = 0  # decode calls launched before the previous call's tokens reached the host
     num_lag_aborts: int = 0  # samples aborted by `max_policy_lag`
     num_lag_recomputes: int = 0  # samples recomputed under new weights by `max_policy_lag`
+    num_lag_held: int = 0  # samples whose start lag-aware admission (`samples_per_version`) postponed
     generate_seconds: float = 0.0
     speculative: SpecStats | None = None  # drafting counters when speculation is configured
     backend: str = ""  # the kernel backend chosen (runner/backends/)

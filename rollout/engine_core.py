@@ -75,6 +75,8 @@ class EngineCore(PolicyUpdates):
         self._in_step = False  # a step is running: weights may not change under it
         self._auto_ids = itertools.count()
         self._seq_ids = itertools.count()
+        self._first_version: int | None = None  # the policy version lag-aware admission counts from
+        self._update_admission()
 
     @property
     def policy_version(self) -> int | None:
@@ -84,6 +86,23 @@ class EngineCore(PolicyUpdates):
     @policy_version.setter
     def policy_version(self, version: int | None) -> None:
         self.outputs.policy_version = version
+        self._update_admission()
+
+    def _update_admission(self) -> None:
+        """Lag-aware admission (`EngineConfig.samples_per_version`): at most (versions since the engine
+        began + max_policy_lag + 1) batches of samples may have started."""
+        per_version = self.config.samples_per_version
+        if per_version is None:
+            return
+        if self._first_version is None:
+            self._first_version = self.policy_version or 0
+        versions = (self.policy_version or 0) - self._first_version
+        self.scheduler.admission_limit = (versions + self.config.max_policy_lag + 1) * per_version
+
+    def admission_held(self) -> bool:
+        """Every unfinished sample waits for a new policy version (lag-aware admission): `step()` has
+        nothing to run until `sync_weights`."""
+        return not self._deferred and self._ahead is None and self.scheduler.admission_held
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:

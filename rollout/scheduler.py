@@ -68,6 +68,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._prefilled_requests: set[str | int] = set()
+        self.admission_limit: int | None = None  # most samples that may have started (lag-aware admission)
+        self.num_started = 0
+        self.num_held = 0  # samples the limit postponed at least once
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -80,6 +83,12 @@ class Scheduler:
         # step: K/V is written before attention reads it), then share its blocks.
         return (seq.sample_index == 0 or seq.request_id in self._prefilled_requests
                 or seq.request_id in prompt_in_step)
+
+    @property
+    def admission_held(self) -> bool:
+        """Nothing runs and every waiting sample is new and held by the admission limit."""
+        return (self.admission_limit is not None and not self.running and bool(self.waiting)
+                and self.num_started >= self.admission_limit and not any(s.started for s in self.waiting))
 
     def schedule(self) -> ScheduledBatch:
         batch = self._schedule_prefill()
@@ -105,11 +114,18 @@ class Scheduler:
             if not self._admissible(seq, prompt_in_step):
                 skipped.append(seq)
                 continue
+            if not seq.started and self.admission_limit is not None and self.num_started >= self.admission_limit:
+                self.num_held += not seq.held  # (a preempted or resumed sample behind it still runs)
+                seq.held = True
+                skipped.append(seq)
+                continue
             replica = self._place(seq, budgets)
             if replica is None:
                 self.waiting.appendleft(seq)
                 break
             seq.replica = replica
+            self.num_started += not seq.started
+            seq.started = True
             self.block_manager.allocate(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

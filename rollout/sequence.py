@@ -49,6 +49,8 @@ class Sequence:
         self.sampling_row: SamplingRow | None = None  # its sampling settings as a step packs them (built once)
         self.ending_ids: tuple[int, ...] | None = None  # ids that stop it: EOS unless ignored, its stop ids (built once)
         self.tokens_per_draft_step: float | None = None  # speculative decoding: EMA of tokens emitted per verification
+        self.started = False  # admitted once (a preempted or resumed sample is not new)
+        self.held = False  # postponed by lag-aware admission at least once
         self.bad_word_ids: tuple[tuple[int, ...], ...] = ()  # `SamplingParams.bad_words` tokenized (set on add)
         self.distinct_prompt_ids: tuple[int, ...] | None = None  # for the repetition penalty (built once)
 
