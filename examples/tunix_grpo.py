@@ -39,11 +39,11 @@ from tunix_common import smollm2_as_tunix
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--steps", type=int, default=24)
     p.add_argument("--prompts", type=int, default=4, help="problems per step")
     p.add_argument("--generations", type=int, default=4, help="GrpoConfig.num_generations")
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--lr", type=float, default=3e-6)
+    p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--beta", type=float, default=0.04)
     p.add_argument("--engine", choices=("jax-rollout", "vanilla"), default="jax-rollout")
     p.add_argument("--seed", type=int, default=0)

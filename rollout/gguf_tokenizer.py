@@ -71,17 +71,13 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 def read_gguf_tokenizer_fields(path: str) -> dict[str, Any]:
     """`general.architecture` and every `tokenizer.*` metadata value of a GGUF file."""
-    from gguf import GGUFReader
+    from runner.models.gguf_file import read_gguf_file
 
     try:
-        reader = GGUFReader(path)
-    except Exception as e:  # gguf raises ValueError/struct errors of several kinds on a bad file
+        fields = read_gguf_file(path).fields
+    except Exception as e:  # struct / memmap errors of several kinds on a bad file
         raise ValueError(f"cannot read GGUF file {path!r}: {e}") from e
-    return {
-        key: field.contents()
-        for key, field in reader.fields.items()
-        if key.startswith("tokenizer.") or key == "general.architecture"
-    }
+    return {key: value for key, value in fields.items() if key.startswith("tokenizer.") or key == "general.architecture"}
 
 
 def _gguf_merges(meta: Mapping[str, Any], vocab: Mapping[str, int]) -> list[tuple[str, str]]:

@@ -6,8 +6,9 @@ sampled token's and the top-K alternatives). `choose_mode` is the host-side (num
 static `mode` that `sample` is compiled for. The blocked reductions and the noise live in
 `runner.sampler_blocks`, the kept set of top-k / top-p / min-p in `runner.sampler_filters`.
 
-Order of operations (as vLLM): suppression, temperature scaling, top-k, top-p, min-p, then a
-Gumbel-max draw from the processed distribution.
+Order of operations (as vLLM): the logits processors (`runner.logits_processors`: allowed ids, bad
+words, bias, penalties; only when `SamplingInputs.adjust` is given), suppression, temperature scaling,
+top-k, top-p, min-p, then a Gumbel-max draw from the processed distribution.
 
 - Suppression: `suppress_ids` (-1 = none) get -inf before anything else; they are never sampled
   and have processed logprob -inf.
@@ -31,10 +32,12 @@ otherwise draws from norm(max(0, p - q)) = p without d, with the row's usual noi
 then distributed exactly as p; greedy rows keep their argmax (accepting d only if it is the argmax).
 
 Logprobs (per row, chosen by `SamplingInputs.processed`):
-- raw: `log_softmax` of the model's logits as given (suppression is NOT applied).
-- processed: `log_softmax` of the distribution actually sampled from (after suppression,
-  temperature and filtering; filtered-out tokens are -inf). For a greedy row this is the filtered
-  distribution at temperature 1 (top-k/top-p/min-p applied to the suppressed logits).
+- raw: `log_softmax` of the model's logits as given (neither processors nor suppression apply).
+- processed: `log_softmax` of the distribution actually sampled from (after the processors,
+  suppression, temperature and filtering; filtered-out tokens are -inf). For a greedy row this is the
+  filtered distribution at temperature 1 (top-k/top-p/min-p applied to the suppressed logits).
+Rows in `SamplingInputs.as_logits` report those logits themselves instead of log-probabilities. Each
+row's `ranks` entry is 1 + the number of tokens above the sampled one in its mode (vLLM's rank).
 """
 
 from __future__ import annotations

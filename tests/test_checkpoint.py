@@ -523,6 +523,25 @@ def _tiny_gguf(tmp_path: Path, arch: str = "llama", **kw: Any) -> Path:
     return path
 
 
+@pytest.mark.parametrize("which", ["tiny", "default"])
+def test_gguf_file_reads_what_gguf_reader_reads(which: str, tmp_path: Path) -> None:
+    """runner.models.gguf_file (the fast reader) = gguf.GGUFReader: every field, every tensor view."""
+    from gguf import GGUFReader
+
+    from runner.models.default_model import default_model_path
+    from runner.models.gguf_file import read_gguf_file
+
+    path = str(_tiny_gguf(tmp_path)) if which == "tiny" else default_model_path()
+    ours, theirs = read_gguf_file(path), GGUFReader(path)
+    assert ours.fields == {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert (a.tensor_type, list(a.shape), a.data.shape, a.data.dtype) == (b.tensor_type, list(b.shape), b.data.shape,
+                                                                             b.data.dtype)
+        assert (a.data_offset, a.n_bytes) == (int(b.data_offset), int(b.n_bytes))
+        np.testing.assert_array_equal(a.data, b.data)
+
+
 def test_error_truncated_gguf(tmp_path: Path) -> None:
     path = _tiny_gguf(tmp_path)
     data = path.read_bytes()

@@ -1,7 +1,8 @@
 """Reading a `.gguf` file into Hugging Face names and layouts (a `runner.models.checkpoint.Checkpoint`).
 
 GGUF facts this module relies on:
-  * GGUF lists tensor dims innermost-first (`[in, out]`); `GGUFReader` reverses them, so the numpy
+  * GGUF lists tensor dims innermost-first (`[in, out]`); `runner.models.gguf_file` (as `gguf.GGUFReader`)
+    reverses them, so the numpy
     data (and `gguf.quants.dequantize`'s output) is already `[out, in]`, like PyTorch.
   * llama.cpp's converter permutes the rows of `llama` Q and K projections (weights and biases) from
     Hugging Face's rotate-half RoPE layout to its interleaved layout; we undo it exactly as
@@ -14,7 +15,6 @@ GGUF facts this module relies on:
 from __future__ import annotations
 
 import math
-import os
 import re
 from typing import Any, Callable
 
@@ -22,6 +22,7 @@ import numpy as np
 
 from runner.models.checkpoint import Checkpoint, dominant_dtype
 from runner.models.family import ModelFamily
+from runner.models.gguf_file import GGUFFile, read_gguf_file
 from runner.models.gguf_tensor import GGUFTensor
 from runner.models.llama_family import LLAMA
 from runner.models.registry import FAMILIES
@@ -76,23 +77,19 @@ def supported_gguf_types() -> list[str]:
     return sorted(t.name for t in types)
 
 
-def _field(reader: Any, key: str) -> Any:
-    f = reader.fields.get(key)
-    return None if f is None else f.contents()
+def _field(reader: GGUFFile, key: str) -> Any:
+    return reader.fields.get(key)
 
 
 def read_gguf(path: str) -> Checkpoint:
-    from gguf import GGUFReader
     from gguf.quants import dequantize
 
     try:
-        reader = GGUFReader(path)
-    except Exception as e:  # short memmap reads surface as reshape/struct/Value errors
+        reader = read_gguf_file(path)
+    except ValueError:
+        raise
+    except Exception as e:  # short memmap reads surface as reshape/struct errors
         raise ValueError(f"{path}: cannot read GGUF file (truncated or corrupt?): {type(e).__name__}: {e}") from None
-    size = os.path.getsize(path)
-    for t in reader.tensors:
-        if int(t.data_offset) + int(t.n_bytes) > size:
-            raise ValueError(f"{path}: GGUF file is truncated (tensor {t.name!r} extends past end of file)")
 
     arch = _field(reader, "general.architecture")
     gguf_families = [name for name, f in FAMILIES.items() if any(e.gguf for e in f.names)]
