@@ -76,10 +76,11 @@ class ModelRunner:
         self._step_fn = compiled_step(graphdef, *defs, pinned)  # looked up once: hashing a GraphDef per step costs ~10 ms
         self._chunk_fn = compiled_chunk(graphdef, *defs, pinned)
         # The runner owns its copy (a trainer may update or donate its arrays at any time), laid out
-        # by the sharding rules; device_put to a new sharding copies, so copy explicitly otherwise.
-        self.params = shard_params(jax.tree.map(lambda x: x.copy(), params), self.mesh,
+        # by the sharding rules. `device_put(may_alias=False)` copies in the runtime: `x.copy()` compiled
+        # (or loaded from the persistent cache) a program per parameter shape, ~1 s of each start.
+        self.params = shard_params(jax.tree.map(lambda x: jax.device_put(x, may_alias=False), params), self.mesh,
                                    get_family(model.config.family).logical_axes)
-        self.rest = jax.device_put(jax.tree.map(lambda x: jnp.array(x, copy=True), rest),
+        self.rest = jax.device_put(jax.tree.map(lambda x: jax.device_put(x, may_alias=False), rest),
                                    NamedSharding(self.mesh, PartitionSpec()))
         self.kv_spec = kv_spec
         self._kv_layout = (kv_shape, self.backend.kv_cache_dtype(kv_spec.dtype), kv_spec.num_layers, kv_sharding)

@@ -152,9 +152,7 @@ def test_generate_update_params_and_logps(family: str, tied: bool) -> None:
     valid = completions != PAD
     np.testing.assert_allclose(ours[valid], want[valid], atol=1e-4)
 
-    # update_params: exactly an engine built from the new parameters; from the second sync on, no compile
-    rollout.update_params(nnx.state(model, nnx.Param), (nnx.Param,))  # the first sync compiles its transforms
-    assert [t.tolist() for t in rollout.generate(prompts, cfg).tokens] == [t.tolist() for t in out.tokens]
+    # update_params: exactly an engine built from the new parameters, with no compile
     new_model = make_tunix(family, seed=5, tied=tied)
     compiles = num_compilations()
     rollout.update_params(nnx.state(new_model, nnx.Param), (nnx.Param,))

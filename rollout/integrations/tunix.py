@@ -86,6 +86,7 @@ class JaxRollout(base_rollout.BaseRollout):
         self.engine = Engine.from_model(model, bridge, mesh=self._engine_mesh(mesh, config), **engine_config)
         self._rules = sync_rules(rollout_actor)
         self._logps = nnx.jit(_per_token_logps, static_argnames=("pad_id",))
+        self.update_params(nnx.state(rollout_actor, nnx.Param))  # compiles the sync's layout programs now, once
 
     @staticmethod
     def _check_config(config: base_rollout.RolloutConfig) -> None:
