@@ -49,7 +49,6 @@ class EngineCore(PolicyUpdates):
         self._limits = RequestLimits(
             runner.config.vocab_size, config.max_model_len, config.max_logprobs, eos_token_ids,
             max_kept_ids=config.max_kept_ids,
-            records="an EAGLE-3 engine's draft programs do not return them" if runner.drafter is not None else "",
             processors="an EAGLE-3 engine's draft programs do not apply them" if runner.drafter is not None else "")
         self.block_manager = BlockManager(kv_spec.num_blocks, kv_spec.block_size, num_replicas=kv_spec.num_replicas,
                                           enable_prefix_caching=config.enable_prefix_caching)

@@ -25,7 +25,6 @@ class RequestLimits:
     max_logprobs: int
     eos_token_ids: tuple[int, ...]
     max_kept_ids: int = 16  # kept ids a sampling record can return per token
-    records: str = ""  # why this engine cannot return sampling records ("" = it can)
     processors: str = ""  # why this engine cannot apply logits processors ("" = it can)
 
 
@@ -88,8 +87,6 @@ def prompt_token_ids(prompt: Prompt, sp: SamplingParams, tokenizer: Tokenizer, l
         if k is not None and limits.max_logprobs != -1 and k > limits.max_logprobs:
             raise ValueError(f"{name}={k} exceeds the engine's max_logprobs={limits.max_logprobs}; "
                              "ask for fewer or build the engine with a larger max_logprobs")
-    if sp.sampling_record and limits.records:
-        raise ValueError(f"sampling_record is not available on this engine: {limits.records}")
     if sp.max_kept_ids > limits.max_kept_ids:
         raise ValueError(f"max_kept_ids={sp.max_kept_ids} exceeds the engine's max_kept_ids={limits.max_kept_ids}; "
                          "ask for fewer or build the engine with a larger max_kept_ids")

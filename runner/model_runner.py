@@ -141,7 +141,7 @@ class ModelRunner:
         multi_step = batch.num_steps is not None
         if batch.kind == "verify" and batch.draft_slots is not None:  # the EAGLE-3 head drafts in the program
             launch = launch_draft_verify_steps if multi_step else launch_draft_verify
-            return launch(self, batch, leaves, device_batch, layout.row_index, layout.seq_index, num_top)
+            return launch(self, batch, leaves, device_batch, layout.row_index, layout.seq_index, num_top, num_kept)
         if batch.kind == "decode" and multi_step:
             if (batch.feed_rows is None) != (after is None or after.last_tokens is None):
                 raise ValueError("feed_rows need the multi-step decode call they read from (`after`), and only then")
@@ -181,7 +181,7 @@ class ModelRunner:
             if batch.feed_rows is not None:
                 raise ValueError("a decode call with a draft head cannot take its tokens from the previous call")
             self.kv_caches, out = self.drafter.decode_chunk(leaves, self.kv_caches, device_batch, num_top=num_top,
-                                                            max_steps=steps)
+                                                            max_steps=steps, num_kept=num_kept)
             last = None
         else:
             self.kv_caches, out, last = self._chunk_fn(*leaves, self.kv_caches, device_batch, fed, num_top=num_top,

@@ -136,9 +136,7 @@ def decode_loop(model: CausalLM, kv_caches: KVCaches, batch: DeviceBatch, state:
         return t + 1, kv, sampled, active & ~stopped & (t + 1 < chunk.num_steps), outs, state, adjust
 
     num_rows = batch.token_ids.shape[0] * batch.token_ids.shape[1]
-    record = {} if num_kept == 0 else dict(
-        kept_logmass=jnp.zeros((max_steps, num_rows), jnp.float32), kept_counts=jnp.zeros((max_steps, num_rows), jnp.int32),
-        kept_ids=jnp.zeros((max_steps, num_rows, num_kept), jnp.int32))
+    record = record_buffers(max_steps, num_rows, num_kept)
     outs = SamplerOutput(jnp.zeros((max_steps, num_rows), jnp.int32), jnp.zeros((max_steps, num_rows), jnp.float32),
                          jnp.zeros((max_steps, num_rows, num_top), jnp.int32),
                          jnp.zeros((max_steps, num_rows, num_top), jnp.float32), **record,
@@ -146,6 +144,14 @@ def decode_loop(model: CausalLM, kv_caches: KVCaches, batch: DeviceBatch, state:
     carry = (jnp.int32(0), kv_caches, batch.token_ids, chunk.num_steps > 0, outs, state, sampling.adjust)
     _, kv_caches, _, _, outs, state, _ = jax.lax.while_loop(lambda c: jnp.any(c[3]), body, carry)
     return kv_caches, outs, state
+
+
+def record_buffers(steps: int, num_rows: int, num_kept: int) -> dict[str, Array]:
+    """A device loop's output buffers of the sampling record (`num_kept` > 0; none otherwise)."""
+    if num_kept == 0:
+        return {}
+    return dict(kept_logmass=jnp.zeros((steps, num_rows), jnp.float32), kept_counts=jnp.zeros((steps, num_rows), jnp.int32),
+                kept_ids=jnp.zeros((steps, num_rows, num_kept), jnp.int32))
 
 
 def _decode_chunk(graphdef: nnx.GraphDef, params_def: jax.tree_util.PyTreeDef, rest_def: jax.tree_util.PyTreeDef,

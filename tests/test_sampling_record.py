@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rollout import Engine, NgramConfig, SamplingParams
+from rollout import Eagle3Config, Engine, NgramConfig, SamplingParams
+from runner.spec_decode.eagle3_checkpoint import init_eagle3_head, save_eagle3_head
 from test_engine import ENGINE_KW, ByteTokenizer, make_model, rand_prompt
 
 
@@ -72,12 +73,18 @@ def test_record_recovers_the_processed_logprob_from_the_trainer_forward(model, f
             np.testing.assert_allclose(np.exp(renormalised - processed), 1.0, atol=5e-5)
 
 
-def test_greedy_rows_rollout_batch_and_ngram_verification(model) -> None:
+def test_greedy_rows_rollout_batch_and_speculative_verification(model, tmp_path) -> None:
     """A greedy row's record is of its processed distribution (filters at temperature 1); the record
-    reaches `RolloutBatch` as arrays; n-gram verification steps carry it too."""
+    reaches `RolloutBatch` as arrays; n-gram and EAGLE-3 verification steps (one per call, several per
+    call, and the plain multi-step calls of an EAGLE-3 engine) carry it too."""
     prompt = rand_prompt(np.random.default_rng(5), 12) * 3  # repeats: the n-gram drafter proposes
     sp = SamplingParams(temperature=0.0, top_k=3, max_tokens=12, ignore_eos=True, sampling_record=True, max_kept_ids=3)
-    for kw in ({}, dict(speculative=NgramConfig(k=3))):
+    head = str(tmp_path / "head")
+    save_eagle3_head(init_eagle3_head(model, seed=3), head)
+    for kw in ({}, dict(speculative=NgramConfig(k=3)),
+               dict(speculative=Eagle3Config(head, k=2, auto_disable=False, num_verify_steps=1)),
+               dict(speculative=Eagle3Config(head, k=2, auto_disable=False, num_verify_steps=3)),
+               dict(speculative=Eagle3Config(head, k=2, auto_disable=False, min_confidence=0.99))):
         engine = Engine.from_model(model, ByteTokenizer(), **ENGINE_KW, **kw)
         batch = engine.rollout([prompt, prompt[:10]], sp)
         c = engine.generate([prompt], sp)[0].outputs[0]

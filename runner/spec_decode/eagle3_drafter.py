@@ -73,7 +73,7 @@ class Eagle3Drafter:
         self.cache = self._fill_fn(*self._head_leaves(), *target, self.cache, aux, batch)
 
     def verify(self, target: TargetLeaves, kv_caches: KVCaches, batch: DeviceBatch, *, num_top: int,
-               num_steps: int, plain_rows: int = 0, min_confidence: float = 0.0
+               num_steps: int, plain_rows: int = 0, min_confidence: float = 0.0, num_kept: int = 0
                ) -> tuple[KVCaches, SamplerOutput, Int[Array, "R S K"], Bool[Array, ""]]:
         """Draft `num_steps` tokens per sequence into `batch` (`DeviceBatch.draft_slots`), verify them with
         the target and fill the head's cache, in one program; returns the target's caches, what was
@@ -81,25 +81,26 @@ class Eagle3Drafter:
         decodes plainly when every first draft's probability is below `min_confidence` (`_draft_verify`)."""
         kv_caches, self.cache, out, drafts, verified = self._verify_fn(
             *self._head_leaves(), *target, kv_caches, self.cache, batch, np.float32(min_confidence), num_top=num_top,
-            aux_layers=self.aux_layers, num_steps=num_steps, plain_rows=plain_rows)
+            aux_layers=self.aux_layers, num_steps=num_steps, plain_rows=plain_rows, num_kept=num_kept)
         return kv_caches, out, drafts, verified
 
     def verify_steps(self, target: TargetLeaves, kv_caches: KVCaches, batch: DeviceBatch, *, num_top: int,
-                     num_steps: int, max_iters: int) -> tuple[KVCaches, SamplerOutput, Int[Array, "I R S K"]]:
+                     num_steps: int, max_iters: int, num_kept: int = 0
+                     ) -> tuple[KVCaches, SamplerOutput, Int[Array, "I R S K"]]:
         """Up to `max_iters` draft-verify-fill steps in one device loop (`_draft_verify_steps`; `batch.chunk`
         says how many each sequence runs); returns the target's caches, every step's sampled rows and drafts."""
         kv_caches, self.cache, out, drafts = self._verify_steps_fn(
             *self._head_leaves(), *target, kv_caches, self.cache, batch, num_top=num_top, aux_layers=self.aux_layers,
-            num_steps=num_steps, max_iters=max_iters)
+            num_steps=num_steps, max_iters=max_iters, num_kept=num_kept)
         return kv_caches, out, drafts
 
     def decode_chunk(self, target: TargetLeaves, kv_caches: KVCaches, batch: DeviceBatch, *, num_top: int,
-                     max_steps: int) -> tuple[KVCaches, SamplerOutput]:
+                     max_steps: int, num_kept: int = 0) -> tuple[KVCaches, SamplerOutput]:
         """Multi-step plain decode of the target with the head's cache kept current (`_decode_chunk_fill`);
         returns the target's caches and every step's sampled rows `[max_steps, R * N]`."""
         kv_caches, self.cache, out = self._decode_chunk_fn(
             *self._head_leaves(), *target, kv_caches, self.cache, batch, num_top=num_top, aux_layers=self.aux_layers,
-            max_steps=max_steps)
+            max_steps=max_steps, num_kept=num_kept)
         return kv_caches, out
 
     def _head_leaves(self) -> tuple[list[Array], list[Array]]:

@@ -11,15 +11,15 @@ from jaxtyping import Array
 
 from runner.sampler import SamplerOutput
 from runner.step_inputs import DeviceBatch, StepBatch
-from runner.step_result import PendingStep, StepResult, sampled_rows
+from runner.step_result import PendingStep, StepResult, record_rows, sampled_rows
 
 if TYPE_CHECKING:
     from runner.model_runner import ModelRunner
 
 
 def launch_draft_verify(runner: ModelRunner, batch: StepBatch, leaves: tuple[list[Array], list[Array]],
-                         device_batch: DeviceBatch, rows: np.ndarray, seqs: np.ndarray, num_top: int
-                         ) -> PendingStep:
+                         device_batch: DeviceBatch, rows: np.ndarray, seqs: np.ndarray, num_top: int,
+                         num_kept: int = 0) -> PendingStep:
     """A verification step whose drafts the EAGLE-3 head makes in the same program."""
     num_drafts = runner.buckets.verify_rows - 1
     if runner.drafter is None or num_drafts < 1 or batch.target_ids is not None:
@@ -35,15 +35,15 @@ def launch_draft_verify(runner: ModelRunner, batch: StepBatch, leaves: tuple[lis
             floor = runner.draft_min_confidence
     runner.kv_caches, out, drafts, verified = runner.drafter.verify(
         leaves, runner.kv_caches, device_batch, num_top=num_top, num_steps=num_drafts, plain_rows=plain_rows,
-        min_confidence=floor)
+        min_confidence=floor, num_kept=num_kept)
     k = batch.num_top_logprobs
     return PendingStep((out, drafts, verified), lambda host: dataclasses.replace(
         sampled_rows(host[0], rows, k), verified=bool(host[2]),
         draft_ids=np.asarray(host[1]).reshape(-1, num_drafts)[None, seqs]))
 
 def launch_draft_verify_steps(runner: ModelRunner, batch: StepBatch, leaves: tuple[list[Array], list[Array]],
-                               device_batch: DeviceBatch, rows: np.ndarray, seqs: np.ndarray, num_top: int
-                               ) -> PendingStep:
+                               device_batch: DeviceBatch, rows: np.ndarray, seqs: np.ndarray, num_top: int,
+                               num_kept: int = 0) -> PendingStep:
     """Multi-step verification (EAGLE-3, exact replay): up to `num_verify_steps` draft-verify steps."""
     num_drafts = runner.buckets.verify_rows - 1
     if runner.drafter is None or num_drafts < 1 or batch.draft_ids is not None or runner.num_verify_steps < 2:
@@ -56,13 +56,14 @@ def launch_draft_verify_steps(runner: ModelRunner, batch: StepBatch, leaves: tup
     if int(np.max(batch.num_steps, initial=1)) > steps:
         raise ValueError(f"a sequence asks for {int(np.max(batch.num_steps))} steps; this runner runs at most {steps}")
     runner.kv_caches, out, drafts = runner.drafter.verify_steps(leaves, runner.kv_caches, device_batch, num_top=num_top,
-                                                            num_steps=num_drafts, max_iters=steps)
+                                                            num_steps=num_drafts, max_iters=steps, num_kept=num_kept)
     k, ran = batch.num_top_logprobs, int(np.max(batch.num_steps))  # later steps' buffers stay unwritten
 
     def finish(host: tuple[SamplerOutput, Array]) -> StepResult:
         out, drafts = host
         return StepResult(out.token_ids[:ran, rows], out.logprobs[:ran, rows], out.top_ids[:ran, rows, :k],
                           out.top_logprobs[:ran, rows, :k], ranks=out.ranks[:ran, rows],
+                          **record_rows(out, (slice(None, ran), rows)),
                           draft_ids=np.asarray(drafts)[:ran].reshape(ran, -1, num_drafts)[:, seqs])
 
     return PendingStep((out, drafts), finish)

@@ -28,7 +28,7 @@ from runner.models.family import KVCaches
 from runner.sampler import SamplerOutput
 from runner.spec_decode.eagle3 import DraftCache, DraftChain, Eagle3Head, draft_paged, fill_cache
 from runner.step_inputs import DeviceBatch
-from runner.step_program import decode_loop, forward_and_sample
+from runner.step_program import decode_loop, forward_and_sample, record_buffers
 
 
 # Tree structures of (head params, head rest, target params, target rest): the jitted programs take
@@ -150,7 +150,8 @@ def _draft_verify(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: TreeDefs
                   kv_sharding: NamedSharding | None, head_params: list[Array], head_rest: list[Array],
                   params: list[Array], rest: list[Array], kv_caches: KVCaches, cache: DraftCache, batch: DeviceBatch,
                   min_confidence: Float[Array, ""], *, num_top: int, aux_layers: tuple[int, ...], num_steps: int,
-                  plain_rows: int) -> tuple[KVCaches, DraftCache, SamplerOutput, Int[Array, "R S K"], Bool[Array, ""]]:
+                  plain_rows: int, num_kept: int = 0
+                  ) -> tuple[KVCaches, DraftCache, SamplerOutput, Int[Array, "R S K"], Bool[Array, ""]]:
     """Draft, verify and fill in one program: the head drafts `num_steps` tokens per sequence from the
     first token each sequence feeds, the drafts take the tokens `batch.draft_slots` names, the target
     verifies them (`runner.step_program`) and the head's cache takes what the target computed.
@@ -169,7 +170,7 @@ def _draft_verify(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: TreeDefs
 
     def verify(kv_caches: KVCaches) -> tuple:
         kv_caches, out, _, aux = forward_and_sample(target, kv_caches, placed, num_top=num_top, token_logprobs=False,
-                                                     aux_layers=aux_layers, kv_sharding=kv_sharding)
+                                                     aux_layers=aux_layers, kv_sharding=kv_sharding, num_kept=num_kept)
         return kv_caches, out, aux, placed.md.slot_mapping, placed.prev_slot_mapping
 
     def plain(kv_caches: KVCaches) -> tuple:
@@ -178,7 +179,7 @@ def _draft_verify(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: TreeDefs
         num_slots = num_pages * page_size
         b = first_token_batch(batch, plain_rows, num_slots)
         kv_caches, out, _, aux = forward_and_sample(target, kv_caches, b, num_top=num_top, token_logprobs=False,
-                                                     aux_layers=aux_layers, kv_sharding=kv_sharding)
+                                                     aux_layers=aux_layers, kv_sharding=kv_sharding, num_kept=num_kept)
         r, n = batch.logits_indices.shape  # rows = tokens: sequence s samples in row / token cu_q_lens[s]
         valid = jnp.arange(plain_rows)[None, :] < md.num_seqs
         at = jnp.where(valid, jnp.arange(r)[:, None] * n + md.cu_q_lens[:, :plain_rows], r * n).reshape(-1)
@@ -202,7 +203,7 @@ def _draft_verify_steps(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: Tr
                         shardings: CacheShardings | None, kv_sharding: NamedSharding | None, head_params: list[Array],
                         head_rest: list[Array], params: list[Array], rest: list[Array], kv_caches: KVCaches,
                         cache: DraftCache, batch: DeviceBatch, *, num_top: int, aux_layers: tuple[int, ...],
-                        num_steps: int, max_iters: int
+                        num_steps: int, max_iters: int, num_kept: int = 0
                         ) -> tuple[KVCaches, DraftCache, SamplerOutput, Int[Array, "I R S K"]]:
     """Up to `max_iters` whole speculative steps (draft, verify, fill) in one device loop, exact replay only.
 
@@ -241,7 +242,7 @@ def _draft_verify_steps(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: Tr
     outs = SamplerOutput(jnp.zeros((max_iters, num_rows), jnp.int32), jnp.zeros((max_iters, num_rows), jnp.float32),
                              jnp.zeros((max_iters, num_rows, num_top), jnp.int32),
                              jnp.zeros((max_iters, num_rows, num_top), jnp.float32),
-                             ranks=jnp.zeros((max_iters, num_rows), jnp.int32))
+                             ranks=jnp.zeros((max_iters, num_rows), jnp.int32), **record_buffers(max_iters, num_rows, num_kept))
     all_drafts = jnp.zeros((max_iters, *first.shape, num_steps), jnp.int32)
 
     def body(carry: tuple) -> tuple:
@@ -259,7 +260,7 @@ def _draft_verify_steps(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: Tr
         placed = place_drafts(step, drafts)
         kv_caches, out, _, aux = forward_and_sample(target, kv_caches, placed, num_top=num_top,
                                                          token_logprobs=False, aux_layers=aux_layers,
-                                                         kv_sharding=kv_sharding)
+                                                         kv_sharding=kv_sharding, num_kept=num_kept)
         cache = _fill_after(head, target, head_kv, cache.hidden, aux, placed, slots, prev_slots, shardings)
         rows = first[..., None] + jnp.arange(num_steps + 1)  # [R, S, K + 1]
         sampled = jnp.take_along_axis(out.token_ids.reshape(num_replicas, num_tokens),
@@ -283,7 +284,7 @@ def _decode_chunk_fill(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: Tre
                       shardings: CacheShardings | None, kv_sharding: NamedSharding | None, head_params: list[Array],
                       head_rest: list[Array], params: list[Array], rest: list[Array], kv_caches: KVCaches,
                       cache: DraftCache, batch: DeviceBatch, *, num_top: int, aux_layers: tuple[int, ...],
-                      max_steps: int) -> tuple[KVCaches, DraftCache, SamplerOutput]:
+                      max_steps: int, num_kept: int = 0) -> tuple[KVCaches, DraftCache, SamplerOutput]:
     """Multi-step plain decode (`runner.step_program.decode_loop`) with the head's cache filled after every
     step, as `_fill` does after a single step: the steps that auto-disable takes off drafting."""
     head = _merge(head_gd, defs[0], defs[1], head_params, head_rest)
@@ -295,7 +296,8 @@ def _decode_chunk_fill(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: Tre
                            shardings)
 
     kv_caches, outs, cache = decode_loop(target, kv_caches, batch, cache, num_top=num_top, max_steps=max_steps,
-                                         kv_sharding=kv_sharding, aux_layers=aux_layers, after_step=fill)
+                                         kv_sharding=kv_sharding, aux_layers=aux_layers, after_step=fill,
+                                         num_kept=num_kept)
     return kv_caches, cache, outs
 
 
@@ -307,9 +309,10 @@ def compiled_programs(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: Tree
     (head, target) structure and cache layout, shared by engines."""
     fill = jax.jit(functools.partial(_fill, head_gd, target_gd, defs, shardings), donate_argnums=(4,))
     verify = jax.jit(functools.partial(_draft_verify, head_gd, target_gd, defs, shardings, kv_sharding),
-                     static_argnames=("num_top", "aux_layers", "num_steps", "plain_rows"), donate_argnums=(4, 5))
+                     static_argnames=("num_top", "aux_layers", "num_steps", "plain_rows", "num_kept"), donate_argnums=(4, 5))
     verify_steps = jax.jit(functools.partial(_draft_verify_steps, head_gd, target_gd, defs, shardings, kv_sharding),
-                           static_argnames=("num_top", "aux_layers", "num_steps", "max_iters"), donate_argnums=(4, 5))
+                           static_argnames=("num_top", "aux_layers", "num_steps", "max_iters", "num_kept"),
+                           donate_argnums=(4, 5))
     decode_chunk = jax.jit(functools.partial(_decode_chunk_fill, head_gd, target_gd, defs, shardings, kv_sharding),
-                           static_argnames=("num_top", "aux_layers", "max_steps"), donate_argnums=(4, 5))
+                           static_argnames=("num_top", "aux_layers", "max_steps", "num_kept"), donate_argnums=(4, 5))
     return fill, verify, verify_steps, decode_chunk
