@@ -97,6 +97,24 @@ def adjust_rows(seqs: list[Sequence], room: int) -> AdjustRows | None:
                       np.array([p.repetition_penalty for p in params], np.float32))
 
 
+def verify_adjust_rows(seqs: list[Sequence], drafts: list[np.ndarray], row_seq: np.ndarray, row_rank: np.ndarray
+                       ) -> AdjustRows | None:
+    """The logits processors of a verification step's rows: row k of a sequence samples after its
+    first k drafts, so its penalties and bad words read them as output (host drafts; EAGLE-3 engines
+    take no processors)."""
+    rows = adjust_rows(seqs, 1 + max((len(d) for d in drafts), default=0))
+    if rows is None:
+        return None
+    rows = rows.take(row_seq)  # (copies)
+    for r, (i, k) in enumerate(zip(row_seq, row_rank)):
+        seq = seqs[i]
+        if k and (seq.params.has_penalties or seq.bad_word_ids):
+            n = rows.num_output[r]
+            rows.output_ids[r, n:n + k] = drafts[i][:k]
+            rows.num_output[r] = n + k
+    return rows
+
+
 def device_stops(seqs: list[Sequence], eos_token_ids: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
     """Per sequence, for a device loop: how many more tokens keep its ending ids suppressed (`min_tokens`),
     and the ids that stop it (EOS unless ignored, its stop ids). Only lets the device stop early: the host
@@ -198,7 +216,7 @@ def build_verify_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...], dra
     return StepBatch(
         token_ids=token_ids, positions=positions, q_lens=counts, kv_lens=starts + counts,
         block_tables=[s.block_table for s in seqs], sampling=sampling_rows(seqs).take(row_seq), suppress_ids=suppress,
-        adjust=None if (rows := adjust_rows(seqs, 1)) is None else rows.take(row_seq),  # (never drafted for)
+        adjust=verify_adjust_rows(seqs, drafts, row_seq, row_rank),
         num_top_logprobs=max((s.params.logprobs or 0 for s in seqs), default=0), kind="verify",
         sampling_record=any(s.params.sampling_record for s in seqs),
         logits_indices=np.arange(len(token_ids), dtype=np.int32), replicas=np.array([s.replica for s in seqs], np.int32),

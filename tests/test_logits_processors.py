@@ -6,6 +6,8 @@ ranks, decoded tokens, the `*_logits` modes; `min_tokens` with more than 8 endin
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -130,6 +132,26 @@ def test_requests_without_processors_are_unchanged_beside_them(engine: Engine) -
     assert mixed[0].outputs[0].token_ids == alone.outputs[0].token_ids
     np.testing.assert_allclose(mixed[0].outputs[0].logprobs.values, alone.outputs[0].logprobs.values, atol=1e-5)
     assert set(mixed[2].outputs[0].token_ids) <= set(PROCESSOR_CASES["allowed"]["allowed_token_ids"])
+
+
+def test_ngram_verification_rows_see_the_drafts_before_them(model) -> None:
+    """Speculation with penalties: verification row k of a sequence samples after its first k drafts, so
+    its frequency counts include them; tokens and processed logprobs equal plain decoding's."""
+    from rollout import NgramConfig
+
+    sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=0, logprobs_mode="processed",
+                        allowed_token_ids=[65, 66, 67], frequency_penalty=2.0)  # alternates: n-gram drafts match
+    prompt = PROMPT + [65, 66, 67] * 3
+    plain = Engine.from_model(model, ByteTokenizer(), **ENGINE_KW).generate([prompt], sp)[0].outputs[0]
+    for seeded in (sp, dataclasses.replace(sp, temperature=0.8, seed=3)):
+        want = (plain if seeded is sp else
+                Engine.from_model(model, ByteTokenizer(), **ENGINE_KW).generate([prompt], seeded)[0].outputs[0])
+        engine = Engine.from_model(model, ByteTokenizer(), **ENGINE_KW,
+                                   speculative=NgramConfig(k=3, auto_disable=False))
+        got = engine.generate([prompt], seeded)[0].outputs[0]
+        assert engine.stats().speculative.accepted_tokens > 0
+        assert got.token_ids == want.token_ids
+        np.testing.assert_allclose(got.logprobs.values, want.logprobs.values, atol=1e-5)
 
 
 def test_whole_vocabulary_logprobs_ranks_and_logits_modes(engine: Engine, reference: Reference) -> None:
