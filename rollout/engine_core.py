@@ -277,7 +277,7 @@ class EngineCore(PolicyUpdates):
                                                     device_drafts=self.runner.drafter is not None))
         # (a call launched ahead would not see the tokens its penalties and bad words must read)
         if overlap and pending.last_tokens is not None and drafts is None and not any(
-                s.params.has_penalties or s.bad_word_ids for s in batch.seqs):
+                s.reads_output for s in batch.seqs):
             planned = self.scheduler.schedule_ahead(batch)
             if planned is not None:
                 nxt, kept = planned

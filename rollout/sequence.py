@@ -54,6 +54,11 @@ class Sequence:
         self.bad_word_ids: tuple[tuple[int, ...], ...] = ()  # `SamplingParams.bad_words` tokenized (set on add)
         self.distinct_prompt_ids: tuple[int, ...] | None = None  # for the repetition penalty (built once)
 
+    @property
+    def reads_output(self) -> bool:
+        """Its logits processors read the tokens sampled so far (penalties, bad words)."""
+        return self.params.has_penalties or bool(self.bad_word_ids)
+
     def reset_for_resume(self) -> None:
         """Waiting again after it ended (aborted or cut by length): tokens and results kept, K/V to recompute."""
         self.status = SequenceStatus.WAITING

@@ -71,7 +71,7 @@ def adjust_rows(seqs: list[Sequence], room: int) -> AdjustRows | None:
     bias_ids, bias_values = np.full((n, width), -1, np.int32), np.zeros((n, width), np.float32)
     words = np.full((n, _pow2(max(len(s.bad_word_ids) for s in seqs)),
                      _pow2(max((len(w) for s in seqs for w in s.bad_word_ids), default=1))), -1, np.int32)
-    history = [s.params.has_penalties or bool(s.bad_word_ids) for s in seqs]
+    history = [s.reads_output for s in seqs]
     outputs = np.full((n, _pow2(max((s.num_output_tokens for s, h in zip(seqs, history) if h), default=0) + room)),
                       -1, np.int32)
     prompts = []
@@ -107,8 +107,7 @@ def verify_adjust_rows(seqs: list[Sequence], drafts: list[np.ndarray], row_seq: 
         return None
     rows = rows.take(row_seq)  # (copies)
     for r, (i, k) in enumerate(zip(row_seq, row_rank)):
-        seq = seqs[i]
-        if k and (seq.params.has_penalties or seq.bad_word_ids):
+        if k and seqs[i].reads_output:
             n = rows.num_output[r]
             rows.output_ids[r, n:n + k] = drafts[i][:k]
             rows.num_output[r] = n + k
@@ -138,11 +137,16 @@ def build_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...],
     if drafts is not None:
         return build_verify_step(batch, eos_token_ids, drafts, rejection=rejection, device_drafts=device_drafts)
     if multi_step and not batch.is_prefill:
-        one = build_step(ScheduledBatch(False, batch.seqs, [1] * len(batch.seqs)), eos_token_ids)
+        one = _plain_step(ScheduledBatch(False, batch.seqs, [1] * len(batch.seqs)), eos_token_ids,
+                          room=max(batch.num_new_tokens))
         suppress_steps, stop_ids = device_stops(batch.seqs, eos_token_ids)
         return dataclasses.replace(one, kind="decode", num_steps=np.asarray(batch.num_new_tokens, np.int32),
-                                   suppress_steps=suppress_steps, stop_ids=stop_ids,
-                                   adjust=adjust_rows(batch.seqs, max(batch.num_new_tokens)))
+                                   suppress_steps=suppress_steps, stop_ids=stop_ids)
+    return _plain_step(batch, eos_token_ids, room=1)
+
+
+def _plain_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...], *, room: int) -> StepBatch:
+    """A prefill or one-token-per-sequence decode step; `room`: outputs its processors' state must hold."""
     seqs, counts = batch.seqs, np.asarray(batch.num_new_tokens, np.int32)
     starts = np.array([s.num_computed_tokens for s in seqs], np.int32)
     kv_lens = starts + counts
@@ -164,9 +168,10 @@ def build_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...],
     return StepBatch(
         token_ids=token_ids, positions=positions, q_lens=counts, kv_lens=kv_lens,
         block_tables=[s.block_table for s in seqs], sampling=sampling_rows(seqs), suppress_ids=suppress,
-        adjust=adjust_rows(seqs, 1),
+        adjust=adjust_rows(seqs, room),
         num_top_logprobs=max((max(p.logprobs or 0, p.prompt_logprobs or 0) for p in params), default=0),
-        sampling_record=any(p.sampling_record for p in params), kind="prefill" if batch.is_prefill else "decode", target_ids=target_ids, replicas=np.array([s.replica for s in seqs], np.int32))
+        sampling_record=any(p.sampling_record for p in params), kind="prefill" if batch.is_prefill else "decode",
+        target_ids=target_ids, replicas=np.array([s.replica for s in seqs], np.int32))
 
 
 def build_ahead_step(batch: ScheduledBatch, done: list[int], prev_rows: np.ndarray,

@@ -33,7 +33,7 @@ from runner.spec_decode.eagle3_launch import launch_draft_verify, launch_draft_v
 from runner.step_inputs import (  # noqa: F401  (StepBatch, MAX_SUPPRESS: re-exported for the engine)
     MAX_SUPPRESS, DeviceBatch, StepBatch, pad_replicas)
 from runner.step_program import compiled_chunk, compiled_step
-from runner.step_result import PendingStep, StepResult, record_rows, sampled_rows  # noqa: F401  (re-exported)
+from runner.step_result import PendingStep, StepResult, sampled_rows  # noqa: F401  (re-exported)
 from runner.warmup_steps import DummySteps
 
 
@@ -187,10 +187,8 @@ class ModelRunner:
             self.kv_caches, out, last = self._chunk_fn(*leaves, self.kv_caches, device_batch, fed, num_top=num_top,
                                                        max_steps=steps, num_kept=num_kept)
         k = batch.num_top_logprobs
-        return PendingStep((out,), lambda host: StepResult(
-            host[0].token_ids[:, rows], host[0].logprobs[:, rows], host[0].top_ids[:, rows, :k],
-            host[0].top_logprobs[:, rows, :k], ranks=host[0].ranks[:, rows], **record_rows(host[0], (slice(None), rows))),
-            rows=rows, last_tokens=last)
+        return PendingStep((out,), lambda host: sampled_rows(host[0], rows, k, slice(None)), rows=rows,
+                           last_tokens=last)
 
     def _leaves(self) -> tuple[list[Array], list[Array]]:
         """Params and rest as the flat leaf lists the compiled programs take; taken per call (not

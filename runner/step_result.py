@@ -49,15 +49,11 @@ class PendingStep:
     last_tokens: Array | None = None  # multi-step decode: each flat row's last sampled token, on the device
 
 
-def sampled_rows(out: SamplerOutput, rows: np.ndarray, num_top: int) -> StepResult:
-    """The sampled rows of a one-step (host) output in the batch's order, `num_top` alternatives each."""
-    return StepResult(out.token_ids[None, rows], out.logprobs[None, rows], out.top_ids[None, rows, :num_top],
-                      out.top_logprobs[None, rows, :num_top], ranks=out.ranks[None, rows],
-                      **record_rows(out, (None, rows)))
-
-
-def record_rows(out: SamplerOutput, index: tuple) -> dict[str, np.ndarray]:
-    """The sampling record's fields of `out` at `index` (host arrays), or none without a record."""
-    if out.kept_logmass is None:
-        return {}
-    return dict(kept_logmass=out.kept_logmass[index], kept_counts=out.kept_counts[index], kept_ids=out.kept_ids[index])
+def sampled_rows(out: SamplerOutput, rows: np.ndarray, num_top: int, steps: slice | None = None) -> StepResult:
+    """The sampled rows of a (host) output in the batch's order, `num_top` alternatives each: a one-step
+    output (`steps=None`: given a step axis), or the `steps` of a device loop's `[steps, rows]` buffers."""
+    index = (None, rows) if steps is None else (steps, rows)
+    record = {} if out.kept_logmass is None else dict(
+        kept_logmass=out.kept_logmass[index], kept_counts=out.kept_counts[index], kept_ids=out.kept_ids[index])
+    return StepResult(out.token_ids[index], out.logprobs[index], out.top_ids[index][..., :num_top],
+                      out.top_logprobs[index][..., :num_top], ranks=out.ranks[index], **record)

@@ -38,6 +38,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int
 from tunix.generate.tokenizer_adapter import TokenizerAdapter
+from tunix.generate.utils import next_power_of_2
 from tunix.rl.rollout import base_rollout
 
 from rollout.engine import Engine
@@ -59,10 +60,6 @@ class _TokenizerBridge:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids))
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 class JaxRollout(base_rollout.BaseRollout):
@@ -117,7 +114,7 @@ class JaxRollout(base_rollout.BaseRollout):
         token_lists = [self._tokenize(p) for p in prompts]
         width = rollout_config.max_prompt_length
         if max(map(len, token_lists)) > width:
-            width = _next_power_of_2(max(map(len, token_lists)))
+            width = next_power_of_2(max(map(len, token_lists)))  # as Tunix's vanilla sampler widens
         pad = self.pad_id()
         runs: list[tuple[list[int], int]] = []
         for ids in token_lists:

@@ -11,7 +11,7 @@ from jaxtyping import Array
 
 from runner.sampler import SamplerOutput
 from runner.step_inputs import DeviceBatch, StepBatch
-from runner.step_result import PendingStep, StepResult, record_rows, sampled_rows
+from runner.step_result import PendingStep, StepResult, sampled_rows
 
 if TYPE_CHECKING:
     from runner.model_runner import ModelRunner
@@ -61,9 +61,7 @@ def launch_draft_verify_steps(runner: ModelRunner, batch: StepBatch, leaves: tup
 
     def finish(host: tuple[SamplerOutput, Array]) -> StepResult:
         out, drafts = host
-        return StepResult(out.token_ids[:ran, rows], out.logprobs[:ran, rows], out.top_ids[:ran, rows, :k],
-                          out.top_logprobs[:ran, rows, :k], ranks=out.ranks[:ran, rows],
-                          **record_rows(out, (slice(None, ran), rows)),
-                          draft_ids=np.asarray(drafts)[:ran].reshape(ran, -1, num_drafts)[:, seqs])
+        return dataclasses.replace(sampled_rows(out, rows, k, slice(None, ran)),
+                                   draft_ids=np.asarray(drafts)[:ran].reshape(ran, -1, num_drafts)[:, seqs])
 
     return PendingStep((out, drafts), finish)
