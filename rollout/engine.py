@@ -20,7 +20,7 @@ from rollout.tokenizer import Tokenizer, load_tokenizer
 from rollout.trajectory import Trajectory
 from runner.backends import select_backend
 from runner.buckets import BucketConfig
-from runner.compilation_cache import default_cache_dir, enable_compilation_cache
+from runner.compilation_cache import default_cache_dir, enable_compilation_cache, executables_dir
 from runner.compile_counter import num_compilations
 from runner.kv_cache import KVCacheSpec
 from runner.model_runner import ModelRunner
@@ -40,7 +40,7 @@ class Engine(EngineCore):
 
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig,
                  mesh: Mesh | tuple[int, int] | None = None) -> None:
-        _use_compilation_cache(config)
+        cache_dir = _use_compilation_cache(config)
         device_mesh = make_mesh(mesh)
         model = with_head_layout(model, device_mesh.shape["model"])  # whole heads on every device
         cfg = model.config
@@ -74,7 +74,8 @@ class Engine(EngineCore):
                              backend=backend, draft_head=draft_head,
                              num_scheduler_steps=config.num_scheduler_steps,
                              draft_min_confidence=spec.min_confidence if isinstance(spec, Eagle3Config) else 0.0,
-                             num_verify_steps=verify_steps)
+                             num_verify_steps=verify_steps,
+                             executable_dir=None if cache_dir is None else executables_dir(cache_dir))
         super().__init__(runner, tokenizer, config,
                          eos_token_ids=tuple(dict.fromkeys([*cfg.eos_token_ids, *tokenizer.eos_token_ids])))
         self._compiles_at_start = num_compilations()
@@ -204,7 +205,9 @@ class Engine(EngineCore):
             speculative=dataclasses.replace(self.speculator.stats) if self.speculator is not None else None)
 
 
-def _use_compilation_cache(config: EngineConfig) -> None:
-    if config.compilation_cache_dir is not None:
-        enable_compilation_cache(default_cache_dir() if config.compilation_cache_dir == "auto"
-                                 else config.compilation_cache_dir)
+def _use_compilation_cache(config: EngineConfig) -> str | None:
+    """Turn on JAX's persistent cache as configured; returns the folder in use (None: off)."""
+    if config.compilation_cache_dir is None:
+        return None
+    return enable_compilation_cache(default_cache_dir() if config.compilation_cache_dir == "auto"
+                                    else config.compilation_cache_dir)

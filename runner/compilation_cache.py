@@ -23,6 +23,12 @@ def default_cache_dir() -> str:
     return os.path.join(base, "jax-rollout", "xla")
 
 
+def executables_dir(cache_dir: str) -> str | None:
+    """Where the step programs' serialized executables go (`runner.executable_store`): a folder inside
+    the compilation cache's; None for a cache that is not a local folder (e.g. `gs://...`)."""
+    return None if "://" in cache_dir else os.path.join(cache_dir, "executables")
+
+
 def enable_compilation_cache(directory: str) -> str:
     """Use `directory` as JAX's persistent compilation cache (created if missing); returns the folder in
     use (a folder the process had configured before wins)."""

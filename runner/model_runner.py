@@ -32,6 +32,7 @@ from runner.spec_decode.eagle3_drafter import Eagle3Drafter
 from runner.spec_decode.eagle3_launch import launch_draft_verify, launch_draft_verify_steps
 from runner.step_inputs import (  # noqa: F401  (StepBatch, MAX_SUPPRESS: re-exported for the engine)
     MAX_SUPPRESS, DeviceBatch, StepBatch, pad_replicas)
+from runner.executable_store import StoredProgram, open_store
 from runner.step_program import compiled_chunk, compiled_step
 from runner.step_result import PendingStep, StepResult, sampled_rows  # noqa: F401  (re-exported)
 from runner.warmup_steps import DummySteps
@@ -44,12 +45,15 @@ class ModelRunner:
                  *, max_logprobs: int = 20, max_kept_ids: int = 16, mesh: Mesh | None = None,
                  backend: Backend | None = None,
                  draft_head: Eagle3Head | None = None, num_scheduler_steps: int = 1,
-                 draft_min_confidence: float = 0.0, num_verify_steps: int = 1) -> None:
+                 draft_min_confidence: float = 0.0, num_verify_steps: int = 1,
+                 executable_dir: str | None = None) -> None:
         """`draft_min_confidence > 0`: a verification step whose sequences' first drafts all have a lower
         probability under the head decodes plainly in the same program (`Eagle3Drafter.verify`).
         `num_verify_steps > 1`: with a draft head, verification may also run up to that many
         draft-verify steps in one device loop (`Eagle3Drafter.verify_steps`). `backend` (default: the
-        reference backend, pure JAX) owns the kernel choices (`runner.backends.select_backend`)."""
+        reference backend, pure JAX) owns the kernel choices (`runner.backends.select_backend`).
+        `executable_dir`: where the step programs' compiled executables are stored and loaded
+        (`runner.executable_store`); None compiles them in every process."""
         if not 0.0 <= draft_min_confidence <= 1.0:
             raise ValueError(f"draft_min_confidence must be in [0, 1], got {draft_min_confidence}")
         self.draft_min_confidence = draft_min_confidence
@@ -73,8 +77,12 @@ class ModelRunner:
         kv_shape = self.backend.kv_cache_shape(kv_spec.shape)
         kv_sharding = kv_cache_sharding(kv_shape, self.mesh)
         pinned = kv_sharding if self.mesh.size > 1 else None
-        self._step_fn = compiled_step(graphdef, *defs, pinned)  # looked up once: hashing a GraphDef per step costs ~10 ms
-        self._chunk_fn = compiled_chunk(graphdef, *defs, pinned)
+        store = open_store(executable_dir) if executable_dir is not None else None
+        devices = tuple(self.mesh.devices.flat)
+        # looked up once: hashing a GraphDef per step costs ~10 ms
+        self._step_fn = StoredProgram(compiled_step(graphdef, *defs, pinned), "step", 3, devices, store)
+        self._chunk_fn = StoredProgram(compiled_chunk(graphdef, *defs, pinned), "chunk", 3, devices, store)
+        self._graph = f"{graphdef!r}|{defs}|{pinned}"
         # The runner owns its copy (a trainer may update or donate its arrays at any time), laid out
         # by the sharding rules. `device_put(may_alias=False)` copies in the runtime: `x.copy()` compiled
         # (or loaded from the persistent cache) a program per parameter shape, ~1 s of each start.
@@ -101,6 +109,7 @@ class ModelRunner:
         self._packed_from = tuple(map(id, jax.tree.leaves(self.params)))
         self.drafter = None if draft_head is None else Eagle3Drafter(draft_head, graphdef, defs, kv_spec, self.mesh,
                                                                      pinned)
+        self._set_program_identity()
         self.dummy_steps = DummySteps(buckets, kv_spec, num_scheduler_steps, num_verify_steps,
                                       has_drafter=draft_head is not None, max_logprobs=max_logprobs)
 
@@ -198,6 +207,17 @@ class ModelRunner:
         self._refresh_packed(params)
         return params, jax.tree.leaves(self.rest)
 
+    def _set_program_identity(self) -> None:
+        """Key the stored programs on the current parameters', packed weights' and caches' layouts."""
+        fixed = (*self._leaves(), self.kv_caches)
+        for program in (self._step_fn, self._chunk_fn):
+            program.set_identity(self._graph, fixed)
+
+    @property
+    def num_loaded_programs(self) -> int:
+        """Step programs this runner loaded (from the executable store or another runner), not compiled."""
+        return self._step_fn.num_loaded + self._chunk_fn.num_loaded
+
     def release(self, *, offload_weights: bool = False) -> None:
         """Free the KV cache's device memory (its contents are lost) and, with `offload_weights`, move the
         parameters to host memory; `restore()` brings both back with the same shapes and shardings."""
@@ -222,6 +242,7 @@ class ModelRunner:
             self.rest = jax.tree.unflatten(jax.tree.structure(self.rest), rest)
             self._packed_from = tuple(map(id, jax.tree.leaves(self.params)))  # `rest` came back packed as it was
             self._offloaded = None
+        self._set_program_identity()
 
     @property
     def released(self) -> bool:
@@ -232,6 +253,7 @@ class ModelRunner:
         (else the next step would pay for it); returns when the new arrays are ready."""
         self._refresh_packed(jax.tree.leaves(self.params))
         jax.block_until_ready((self.params, self.rest))
+        self._set_program_identity()
 
     def _refresh_packed(self, params: list[Array]) -> None:
         """Recompute the backend's packed weights in `rest` if any parameter array was replaced since."""

@@ -1,6 +1,7 @@
-"""The persistent compilation cache: a second process builds and warms up the same engine loading every
-step program from the cache, and generates the same tokens (with the CPU backend's FFI kernels in the
-programs); bad settings are refused."""
+"""The persistent compilation cache and the executable store: a second process builds and warms up the same
+engine loading every step program's executable (no trace, no compile), and generates the same tokens
+(with the CPU backend's FFI kernels in the programs); a code change or a damaged file means compiling
+again; bad settings are refused."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ programs = engine.warmup()
 outs = engine.generate([rand_prompt(np.random.default_rng(i), 9) for i in range(3)],
                        SamplingParams(temperature=0.8, seed=1, max_tokens=20, ignore_eos=True))
 print(json.dumps(dict(programs=programs, compilations=num_compilations() - before, hits=len(hits),
+                      loaded=engine.runner.num_loaded_programs,
                       tokens=[o.outputs[0].token_ids for o in outs])))
 """
 
@@ -43,12 +45,49 @@ def test_a_second_process_loads_the_step_programs(tmp_path: Path) -> None:
                                       env=env).stdout.strip().splitlines()[-1]) for _ in range(2)]
     first, second = runs
     assert first["tokens"] == second["tokens"]
-    # every step program the first process compiled, the second loads (`num_compilations` counts both)
-    assert first["hits"] == 0 and second["hits"] >= first["programs"] > 5, runs
-    assert any((tmp_path / "cache").iterdir())
+    # every step program the first process compiled, the second loads as an executable (no trace, no
+    # compile); the weight repacking comes from JAX's persistent cache (the rest of `compilations` is the
+    # model's random initialisation and eager ops, too quick to be cached)
+    assert first["hits"] == 0 and first["loaded"] == 0 and first["programs"] > 5, runs
+    assert second["loaded"] == first["programs"] - 1 and second["hits"] >= 1, runs
+    assert second["compilations"] <= first["compilations"] - second["loaded"], runs
+    assert len(list((tmp_path / "cache" / "executables").glob("*.exe"))) == first["programs"] - 1
 
 
 @pytest.mark.parametrize("bad", ["", 3, b"dir"])
 def test_bad_cache_dir_is_refused(bad: object) -> None:
     with pytest.raises(ValueError, match="compilation_cache_dir"):
         EngineConfig(compilation_cache_dir=bad)
+
+
+def test_a_code_change_or_a_damaged_file_compiles_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_engine import ENGINE_KW, ByteTokenizer, make_model
+
+    from rollout.engine import Engine
+    from rollout.sampling_params import SamplingParams
+    from runner import executable_store
+
+    def build() -> Engine:
+        executable_store.open_store.cache_clear()  # as a new process: nothing loaded in memory
+        return Engine.from_model(make_model(0), ByteTokenizer(), compilation_cache_dir=str(tmp_path),
+                                 **{**ENGINE_KW, "num_scheduler_steps": 1})
+
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    first = build()
+    tokens = first.generate([[5, 6, 7]], sp)[0].outputs[0].token_ids
+    files = sorted((tmp_path / "executables").glob("*.exe"))
+    assert len(files) == 2 and first.runner.num_loaded_programs == 0  # a prefill and a decode program
+    again = build()
+    assert again.generate([[5, 6, 7]], sp)[0].outputs[0].token_ids == tokens
+    assert again.runner.num_loaded_programs == 2
+    files[0].write_bytes(files[0].read_bytes()[:100])  # a truncated file: compiled again and rewritten
+    damaged = build()
+    assert damaged.generate([[5, 6, 7]], sp)[0].outputs[0].token_ids == tokens
+    assert damaged.runner.num_loaded_programs == 1 and files[0].stat().st_size > 100
+    monkeypatch.setattr(executable_store, "code_version", lambda: "edited")  # other code: other keys
+    edited = build()
+    assert edited.generate([[5, 6, 7]], sp)[0].outputs[0].token_ids == tokens
+    assert edited.runner.num_loaded_programs == 0 and len(list((tmp_path / "executables").glob("*.exe"))) == 4
