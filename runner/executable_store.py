@@ -13,25 +13,35 @@ model's graph definition (structure and config), the shapes, dtypes and sharding
 the static arguments. Editing the engine's code changes the key: a stale executable is never called.
 Stored files are pickles read back with `pickle` (as JAX's own cache): only point the store at a
 folder you trust.
+
+Only fresh compiles are stored: an XLA:CPU executable that was itself loaded (from JAX's persistent
+cache) serializes without some of its kernels ("Function bitcast_gather_fusion not found" when the
+next process runs it). A program compiled for the store therefore skips JAX's persistent cache and is
+compiled with its own `compiler_options` (so jit's in-memory cache cannot hand back a loaded one).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 import os
 import pickle
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import jax
 from jax.experimental import serialize_executable
+from jax.experimental.compilation_cache import compilation_cache
+
 
 logger = logging.getLogger(__name__)
 
 _SOURCE_SUFFIXES = (".py", ".cc", ".h")
+# XLA's default value, passed explicitly so a stored program's compile is its own in jit's in-memory cache
+STORE_COMPILER_OPTIONS = {"xla_embed_ir_in_executable": False}
 
 
 @functools.lru_cache(maxsize=1)
@@ -159,6 +169,22 @@ class StoredProgram:
         if compiled is not None:
             self.num_loaded += 1
             return compiled
-        compiled = self.jitted.lower(*args, **static).compile()
+        with _without_persistent_cache():
+            compiled = self.jitted.lower(*args, **static).compile(compiler_options=STORE_COMPILER_OPTIONS)
         self.store.save(disk_key, compiled)
         return compiled
+
+
+@contextlib.contextmanager
+def _without_persistent_cache() -> Iterator[None]:
+    """JAX's persistent compilation cache off (process-wide) for the duration, so a compile is fresh."""
+    if not jax.config.jax_enable_compilation_cache:
+        yield
+        return
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()  # JAX decides once whether the cache is used; decide again now
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)
+        compilation_cache.reset_cache()
