@@ -16,32 +16,35 @@ folder you trust.
 
 Only fresh compiles are stored: an XLA:CPU executable that was itself loaded (from JAX's persistent
 cache) serializes without some of its kernels ("Function bitcast_gather_fusion not found" when the
-next process runs it). A program compiled for the store therefore skips JAX's persistent cache and is
-compiled with its own `compiler_options` (so jit's in-memory cache cannot hand back a loaded one).
+next process runs it). A program compiled for the store is compiled with its own `compiler_options`
+(XLA's default value of `xla_embed_ir_in_executable`, given explicitly): jit's in-memory cache cannot
+hand back a loaded executable, and JAX's persistent cache holds such a program only if a store
+compile wrote it. If JAX's cache answers anyway (the stored file was deleted), the program is
+compiled once more with the option's other value; if that one is cached too, it is not stored.
+JAX's persistent cache is never switched off: that is process-wide, and a trainer compiles in
+another thread.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import logging
 import os
 import pickle
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
 from jax.experimental import serialize_executable
-from jax.experimental.compilation_cache import compilation_cache
-
 
 logger = logging.getLogger(__name__)
 
 _SOURCE_SUFFIXES = (".py", ".cc", ".h")
-# XLA's default value, passed explicitly so a stored program's compile is its own in jit's in-memory cache
-STORE_COMPILER_OPTIONS = {"xla_embed_ir_in_executable": False}
+# compiler options of a stored program's compile (XLA's default first; the other value if JAX's cache answered)
+STORE_COMPILER_OPTIONS = ({"xla_embed_ir_in_executable": False}, {"xla_embed_ir_in_executable": True})
 
 
 @functools.lru_cache(maxsize=1)
@@ -169,22 +172,35 @@ class StoredProgram:
         if compiled is not None:
             self.num_loaded += 1
             return compiled
-        with _without_persistent_cache():
-            compiled = self.jitted.lower(*args, **static).compile(compiler_options=STORE_COMPILER_OPTIONS)
-        self.store.save(disk_key, compiled)
+        lowered = self.jitted.lower(*args, **static)
+        for options in STORE_COMPILER_OPTIONS:
+            hits = _persistent_cache_hits()
+            compiled = lowered.compile(compiler_options=options)
+            if _persistent_cache_hits() == hits:  # compiled here, not loaded: safe to serialize
+                self.store.save(disk_key, compiled)
+                return compiled
+        logger.info("%s: JAX's persistent cache answered every compile; not stored", self.name)
         return compiled
 
 
-@contextlib.contextmanager
-def _without_persistent_cache() -> Iterator[None]:
-    """JAX's persistent compilation cache off (process-wide) for the duration, so a compile is fresh."""
-    if not jax.config.jax_enable_compilation_cache:
-        yield
-        return
-    jax.config.update("jax_enable_compilation_cache", False)
-    compilation_cache.reset_cache()  # JAX decides once whether the cache is used; decide again now
-    try:
-        yield
-    finally:
-        jax.config.update("jax_enable_compilation_cache", True)
-        compilation_cache.reset_cache()
+class _CacheHits(threading.local):
+    """Hits of JAX's persistent cache per thread (a compile reports its hit in its own thread)."""
+
+    count = 0
+
+
+@functools.lru_cache(maxsize=1)
+def _thread_hits() -> _CacheHits:
+    hits = _CacheHits()
+
+    def on_event(name: str, **kwargs: object) -> None:
+        if name == "/jax/compilation_cache/cache_hits":
+            hits.count += 1
+
+    jax.monitoring.register_event_listener(on_event)
+    return hits
+
+
+def _persistent_cache_hits() -> int:
+    """Hits of JAX's persistent cache in this thread so far."""
+    return _thread_hits().count

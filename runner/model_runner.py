@@ -108,7 +108,7 @@ class ModelRunner:
                         if self.backend.packs_weights else None)
         self._packed_from = tuple(map(id, jax.tree.leaves(self.params)))
         self.drafter = None if draft_head is None else Eagle3Drafter(draft_head, graphdef, defs, kv_spec, self.mesh,
-                                                                     pinned)
+                                                                     pinned, store)
         self._set_program_identity()
         self.dummy_steps = DummySteps(buckets, kv_spec, num_scheduler_steps, num_verify_steps,
                                       has_drafter=draft_head is not None, max_logprobs=max_logprobs)
@@ -212,11 +212,14 @@ class ModelRunner:
         fixed = (*self._leaves(), self.kv_caches)
         for program in (self._step_fn, self._chunk_fn):
             program.set_identity(self._graph, fixed)
+        if self.drafter is not None:
+            self.drafter.set_identity(fixed[:2], self.kv_caches)
 
     @property
     def num_loaded_programs(self) -> int:
         """Step programs this runner loaded (from the executable store or another runner), not compiled."""
-        return self._step_fn.num_loaded + self._chunk_fn.num_loaded
+        return (self._step_fn.num_loaded + self._chunk_fn.num_loaded
+                + (self.drafter.num_loaded if self.drafter is not None else 0))
 
     def release(self, *, offload_weights: bool = False) -> None:
         """Free the KV cache's device memory (its contents are lost) and, with `offload_weights`, move the

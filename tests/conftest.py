@@ -29,6 +29,9 @@ def _free_compiled_programs():
     if maps.exists() and sum(1 for _ in maps.open()) > MAX_MAPPINGS:
         import jax
 
+        from runner.executable_store import open_store
+
+        open_store.cache_clear()  # the executables the process loaded or compiled for its store
         gc.collect()
         jax.clear_caches()
         gc.collect()

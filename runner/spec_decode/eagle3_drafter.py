@@ -28,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jax.tree_util import PyTreeDef
 from jaxtyping import Array, Bool, Float, Int
 
+from runner.executable_store import ExecutableStore, StoredProgram
 from runner.kv_cache import KVCacheSpec
 from runner.models.family import KVCaches
 from runner.sampler import SamplerOutput
@@ -41,9 +42,11 @@ class Eagle3Drafter:
     """Owns the head's parameters (replicated), its paged cache, and its compiled programs."""
 
     def __init__(self, head: Eagle3Head, target_graphdef: nnx.GraphDef, target_defs: tuple[PyTreeDef, PyTreeDef],
-                 kv_spec: KVCacheSpec, mesh: Mesh, target_kv_sharding: NamedSharding | None) -> None:
+                 kv_spec: KVCacheSpec, mesh: Mesh, target_kv_sharding: NamedSharding | None,
+                 store: ExecutableStore | None = None) -> None:
         """`target_defs`: tree structures of the target's params and rest `nnx.State`s;
-        `target_kv_sharding`: the layout the target's KV caches are pinned to on a mesh (None: one device)."""
+        `target_kv_sharding`: the layout the target's KV caches are pinned to on a mesh (None: one device);
+        `store`: where the compiled programs are stored and loaded (`runner.executable_store`)."""
         cfg = head.config
         graphdef, params, rest = nnx.split(head, nnx.Param, ...)
         replicated = NamedSharding(mesh, PartitionSpec())
@@ -61,8 +64,27 @@ class Eagle3Drafter:
             hidden=jax.jit(lambda: jnp.zeros(hidden_shape, cfg.dtype), out_shardings=hidden_sharding)())
         defs = (jax.tree.structure(self.params), jax.tree.structure(self.rest), *target_defs)
         shardings = (kv_sharding, hidden_sharding) if mesh.size > 1 else None
-        self._fill_fn, self._verify_fn, self._verify_steps_fn, self._decode_chunk_fn = compiled_programs(
-            graphdef, target_graphdef, defs, shardings, target_kv_sharding)
+        fill, verify, verify_steps, decode_chunk = compiled_programs(graphdef, target_graphdef, defs, shardings,
+                                                                     target_kv_sharding)
+        devices = tuple(mesh.devices.flat)
+        # fixed arguments: the head's and the target's leaves, the draft cache (fill), the target's caches (rest)
+        self._fill_fn = StoredProgram(fill, "eagle3_fill", 5, devices, store)
+        self._verify_fn = StoredProgram(verify, "eagle3_verify", 6, devices, store)
+        self._verify_steps_fn = StoredProgram(verify_steps, "eagle3_verify_steps", 6, devices, store)
+        self._decode_chunk_fn = StoredProgram(decode_chunk, "eagle3_decode_chunk", 6, devices, store)
+        self._graph = f"{graphdef!r}|{target_graphdef!r}|{defs}|{shardings}|{target_kv_sharding}"
+
+    def set_identity(self, target: TargetLeaves, kv_caches: KVCaches) -> None:
+        """Key the stored programs on the current layouts of the fixed arguments (`StoredProgram`)."""
+        head = self._head_leaves()
+        self._fill_fn.set_identity(self._graph, (*head, *target, self.cache))
+        for program in (self._verify_fn, self._verify_steps_fn, self._decode_chunk_fn):
+            program.set_identity(self._graph, (*head, *target, kv_caches, self.cache))
+
+    @property
+    def num_loaded(self) -> int:
+        """Programs loaded from the executable store (or another engine), not compiled."""
+        return sum(p.num_loaded for p in (self._fill_fn, self._verify_fn, self._verify_steps_fn, self._decode_chunk_fn))
 
     @property
     def head(self) -> Eagle3Head:
