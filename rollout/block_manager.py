@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 
+from rollout.routing_record import RoutingRecord
 from rollout.sequence import Sequence
 
 
@@ -45,6 +46,7 @@ class BlockManager:
         if num_blocks % num_replicas:
             raise ValueError(f"{num_blocks} blocks do not split evenly over {num_replicas} data replicas")
         self.block_size = block_size
+        self.routing: RoutingRecord | None = None  # the routed-experts record (set by the engine when it records)
         self.num_replicas = num_replicas
         self.blocks_per_replica = num_blocks // num_replicas
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -128,7 +130,10 @@ class BlockManager:
         self.num_cache_queried_tokens += seq.num_tokens
 
     def deallocate(self, seq: Sequence) -> None:
-        """Release a sequence's blocks (most recent first, so older prefixes stay cached longest)."""
+        """Release a sequence's blocks (most recent first, so older prefixes stay cached longest); a
+        finished sequence first takes its computed tokens' routed experts (`routing`, when recorded)."""
+        if self.routing is not None and seq.is_finished:
+            seq.routed_experts = self.routing.read(seq.block_table, seq.num_computed_tokens)
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1

@@ -44,6 +44,9 @@ class Engine(EngineCore):
         device_mesh = make_mesh(mesh)
         model = with_head_layout(model, device_mesh.shape["model"])  # whole heads on every device
         cfg = model.config
+        if config.record_routed_experts and not cfg.moe_layers:
+            raise ValueError("record_routed_experts needs a mixture-of-experts model; this one has no routed-experts "
+                             "layers (leave it False)")
         self.model_config = cfg
         block_size = config.block_size
         num_replicas = device_mesh.shape["data"]  # data parallel: each replica has its own KV blocks and budgets
@@ -75,7 +78,8 @@ class Engine(EngineCore):
                              num_scheduler_steps=config.num_scheduler_steps,
                              draft_min_confidence=spec.min_confidence if isinstance(spec, Eagle3Config) else 0.0,
                              num_verify_steps=verify_steps,
-                             executable_dir=None if cache_dir is None else executables_dir(cache_dir))
+                             executable_dir=None if cache_dir is None else executables_dir(cache_dir),
+                             record_routing=config.record_routed_experts)
         super().__init__(runner, tokenizer, config,
                          eos_token_ids=tuple(dict.fromkeys([*cfg.eos_token_ids, *tokenizer.eos_token_ids])))
         self._compiles_at_start = num_compilations()
@@ -206,8 +210,10 @@ class Engine(EngineCore):
 
 
 def _use_compilation_cache(config: EngineConfig) -> str | None:
-    """Turn on JAX's persistent cache as configured; returns the folder in use (None: off)."""
+    """Turn on JAX's persistent cache as configured (a folder the process configured before wins: the
+    setting is process-wide); returns the engine's own folder (None: off), where its executables go."""
     if config.compilation_cache_dir is None:
         return None
-    return enable_compilation_cache(default_cache_dir() if config.compilation_cache_dir == "auto"
-                                    else config.compilation_cache_dir)
+    folder = default_cache_dir() if config.compilation_cache_dir == "auto" else config.compilation_cache_dir
+    enable_compilation_cache(folder)
+    return folder

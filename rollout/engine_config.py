@@ -36,6 +36,9 @@ class EngineConfig:
     seed: int = 0
     max_logprobs: int = 20
     max_kept_ids: int = 16  # most kept ids a sampling record returns per token (`SamplingParams.max_kept_ids`)
+    # mixture-of-experts models: record every token's routed experts (`CompletionOutput.routed_experts`,
+    # `RolloutBatch.routed_experts`), prefix-cached prompt tokens included; not with EAGLE-3
+    record_routed_experts: bool = False
     enable_prefix_caching: bool = True
     speculative: NgramConfig | Eagle3Config | None = None  # draft (n-gram lookup or an EAGLE-3 head), verified
     # The kernel backend (`runner/backends/`): "auto" (the devices' platform: "cpu", "gpu" or "tpu"),
@@ -108,6 +111,10 @@ class EngineConfig:
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an integer >= 0, or -1 (no limit: `logprobs=-1` returns the "
                              f"whole vocabulary), got {self.max_logprobs!r}")
+        if not isinstance(self.record_routed_experts, bool):
+            raise ValueError(f"record_routed_experts must be True or False, got {self.record_routed_experts!r}")
+        if self.record_routed_experts and isinstance(self.speculative, Eagle3Config):
+            raise ValueError("record_routed_experts does not work with EAGLE-3 drafting; use n-gram drafting or none")
         if not isinstance(self.max_kept_ids, int) or self.max_kept_ids < 1:
             raise ValueError(f"max_kept_ids must be an integer >= 1, got {self.max_kept_ids!r}")
         if not isinstance(self.seed, int) or self.seed < 0:

@@ -24,6 +24,7 @@ from rollout.outputs import RequestOutput
 from rollout.policy_sync import PolicyUpdates, WeightUpdater
 from rollout.request import Request, request_output
 from rollout.request_validation import Prompt, RequestLimits, bad_words_token_ids, prompt_token_ids
+from rollout.routing_record import RoutingRecord
 from rollout.sampling_params import SamplingParams
 from rollout.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from rollout.sequence import Sequence
@@ -52,6 +53,8 @@ class EngineCore(PolicyUpdates):
             processors="an EAGLE-3 engine's draft programs do not apply them" if runner.drafter is not None else "")
         self.block_manager = BlockManager(kv_spec.num_blocks, kv_spec.block_size, num_replicas=kv_spec.num_replicas,
                                           enable_prefix_caching=config.enable_prefix_caching)
+        if runner.record_routing:
+            self.block_manager.routing = RoutingRecord.for_model(runner.config, kv_spec.num_blocks, kv_spec.block_size)
         self.speculator = None if spec is None else Speculator(
             spec, config.max_model_len, config.max_num_batched_tokens,
             draft_fn=device_draft_slots if runner.drafter is not None else None)

@@ -56,6 +56,9 @@ class OutputProcessor:
         widths = [1] * len(seqs) if drafts is None else [1 + len(d) for d in drafts]
         starts = list(itertools.accumulate(widths, initial=0))
         steps = [1] * len(seqs) if batch.is_prefill else counts
+        if result.routed_experts is not None:
+            self._record_routing(batch, result.routed_experts, counts if batch.is_prefill else widths, steps,
+                                 packed=batch.is_prefill or drafts is not None)
         records: list[DraftRecord] = []
         live = []
         offset = 0  # prefill: the sequence's first token in the step
@@ -88,6 +91,19 @@ class OutputProcessor:
                 if done:
                     live.remove(s)
         return records, steps_run
+
+    def _record_routing(self, batch: ScheduledBatch, experts: np.ndarray, q_lens: list[int], steps: list[int],
+                        *, packed: bool) -> None:
+        """Write each computed token's experts at its KV slot (`rollout.routing_record`), before any
+        sequence of the step finishes. `packed`: one call's tokens in packed order (prefill, verification);
+        else `[steps, rows]` with one token per row and step."""
+        record = self.scheduler.block_manager.routing
+        offsets = itertools.accumulate(q_lens, initial=0)
+        for s, (seq, offset) in enumerate(zip(batch.seqs, offsets)):
+            if seq.is_finished:
+                continue
+            tokens = experts[0, offset:offset + q_lens[s]] if packed else experts[:steps[s], s]
+            record.write(seq.block_table, seq.num_computed_tokens, tokens)
 
     def _apply_rows(self, seqs: list[Sequence], live: list[int], steps: list[int], result: StepResult) -> int:
         """Steps without drafts: sequence s's token of step t sits in row s. The stop ids, `min_tokens`

@@ -103,6 +103,10 @@ class CompletionOutput:
     # the kept set has at most `max_kept_ids` tokens (None where it has more)
     kept_logmass: list[float] | None = None
     kept_ids: list[list[int] | None] | None = None
+    # `EngineConfig(record_routed_experts=True)`, once finished: the experts each token of prompt + `token_ids`
+    # (all but the last, whose forward never ran) was routed to in every routed-experts layer,
+    # `[prompt + completion - 1, num_moe_layers, num_experts_per_tok]`, so a trainer can replay the routing
+    routed_experts: Int[np.ndarray, "N L k"] | None = None
 
 
 @dataclasses.dataclass
@@ -150,3 +154,6 @@ class RolloutBatch:
     completion_kept_logmass: Float[np.ndarray, "B C"] | None = None
     completion_kept_ids: Int[np.ndarray, "B C M"] | None = None
     completion_kept_ids_valid: Bool[np.ndarray, "B C"] | None = None
+    # the routed-experts record aligned with `input_ids` (`CompletionOutput.routed_experts`; -1 at the last
+    # token and padding), when every completion has one
+    routed_experts: Int[np.ndarray, "B T L k"] | None = None

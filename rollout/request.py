@@ -67,7 +67,8 @@ def completion(seq: Sequence, tokenizer: Tokenizer, *, start: int = 0, text_star
                             policy_version=seq.output_versions[-1] if seq.output_versions else seq.admitted_version,
                             policy_versions=versions,
                             kept_logmass=seq.output_kept_logmass[start:] if record else None,
-                            kept_ids=seq.output_kept_ids[start:] if record else None)
+                            kept_ids=seq.output_kept_ids[start:] if record else None,
+                            routed_experts=seq.routed_experts if seq.is_finished else None)
 
 
 def request_output(req: Request, tokenizer: Tokenizer, kind: OutputKind | None = None) -> RequestOutput | None:

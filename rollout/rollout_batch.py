@@ -24,13 +24,14 @@ class _Row:
     finish_reason: str
     kept_logmass: list[float] | None = None  # the sampling record, per completion token (None: none)
     kept_ids: list[list[int] | None] | None = None
+    routed_experts: np.ndarray | None = None  # [prompt + completion - 1, L, k] (None: not recorded)
 
 
 def build_rollout_batch(outputs: list[RequestOutput], *, pad_id: int, policy_version: int | None) -> RolloutBatch:
     """One row per completion, prompt-major; completions without logprobs get zeros there."""
     rows = [_Row(g, out.prompt_token_ids, c.token_ids, [True] * len(c.token_ids),
                  logprob_values(c.logprobs), c.policy_versions,
-                 c.finish_reason or "", c.kept_logmass, c.kept_ids)
+                 c.finish_reason or "", c.kept_logmass, c.kept_ids, c.routed_experts)
             for g, out in enumerate(outputs) for c in out.outputs]
     return _pack(rows, pad_id, policy_version)
 
@@ -84,6 +85,11 @@ def _pack(rows: list[_Row], pad_id: int, policy_version: int | None) -> RolloutB
             logprobs[i, p - 1:p - 1 + n] = lp
     positions = np.broadcast_to(np.arange(total, dtype=np.int32), (num, total)).copy()
     record = _pack_record(rows, max_completion) if all(r.kept_logmass is not None for r in rows) else {}
+    if all(r.routed_experts is not None for r in rows):
+        routed = np.full((num, total, *rows[0].routed_experts.shape[1:]), -1, np.int32)
+        for i, row in enumerate(rows):
+            routed[i, :len(row.routed_experts)] = row.routed_experts
+        record["routed_experts"] = routed
     return RolloutBatch(
         prompt_ids=prompt_ids, prompt_lens=prompt_lens, completion_ids=completion_ids,
         completion_mask=completion_mask, completion_logprobs=completion_logprobs, completion_lens=completion_lens,

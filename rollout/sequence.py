@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import enum
 
+import numpy as np
+
 from rollout.sampling_params import SamplingParams
 from runner.sampling_rows import SamplingRow
 
@@ -37,6 +39,9 @@ class Sequence:
         self.output_logprobs: list[float] = []
         self.output_top: list[tuple[list[int], list[float]]] = []
         self.output_ranks: list[int] = []  # rank of each sampled token in its logprobs mode (with logprobs)
+        # each computed token's experts per routed-experts layer, read when the blocks are released
+        # (`rollout.routing_record`; None unless the engine records them)
+        self.routed_experts: np.ndarray | None = None
         self.output_kept_logmass: list[float] = []  # the sampling record (`SamplingParams.sampling_record`)
         self.output_kept_ids: list[list[int] | None] = []  # the kept set where it fits `max_kept_ids`, else None
         self.prompt_logprobs: list[float] = []  # logprob of prompt token i+1 given tokens <= i
@@ -65,6 +70,7 @@ class Sequence:
         self.finish_reason = self.stop_reason = self.stop_text_at = None
         self.num_computed_tokens = self.num_cached_tokens = 0
         self.block_table = []
+        self.routed_experts = None
         self.sampling_row = self.ending_ids = None  # its params changed
 
     @property

@@ -16,17 +16,15 @@ folder you trust.
 
 Only fresh compiles are stored: an XLA:CPU executable that was itself loaded (from JAX's persistent
 cache) serializes without some of its kernels ("Function bitcast_gather_fusion not found" when the
-next process runs it). A program compiled for the store is compiled with its own `compiler_options`
-(XLA's default value of `xla_embed_ir_in_executable`, given explicitly): jit's in-memory cache cannot
-hand back a loaded executable, and JAX's persistent cache holds such a program only if a store
-compile wrote it. If JAX's cache answers anyway (the stored file was deleted), the program is
-compiled once more with the option's other value; if that one is cached too, it is not stored.
-JAX's persistent cache is never switched off: that is process-wide, and a trainer compiles in
-another thread.
+next process runs it). A store compile therefore runs with JAX's persistent cache switched off (a
+process-wide setting, off only while store compiles run) and with its own `compiler_options` (XLA's
+default of `xla_embed_ir_in_executable`, given explicitly), so jit's in-memory cache cannot hand back
+an executable some other compile loaded; a per-thread count of JAX's cache-hit event checks it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -34,17 +32,18 @@ import os
 import pickle
 import tempfile
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import jax
 from jax.experimental import serialize_executable
+from jax.experimental.compilation_cache import compilation_cache
 
 logger = logging.getLogger(__name__)
 
 _SOURCE_SUFFIXES = (".py", ".cc", ".h")
-# compiler options of a stored program's compile (XLA's default first; the other value if JAX's cache answered)
-STORE_COMPILER_OPTIONS = ({"xla_embed_ir_in_executable": False}, {"xla_embed_ir_in_executable": True})
+# XLA's default value, given explicitly: a store compile is its own entry in jit's in-memory cache
+STORE_COMPILER_OPTIONS = {"xla_embed_ir_in_executable": False}
 
 
 @functools.lru_cache(maxsize=1)
@@ -69,9 +68,18 @@ def code_version() -> str:
 
 
 def describe_arrays(tree: object) -> str:
-    """Shapes, dtypes and shardings of a pytree's arrays (part of a program's identity)."""
+    """Shapes, dtypes and layouts of a pytree's arrays (part of a program's identity); equivalent shardings
+    (one device as `SingleDeviceSharding` or as a one-device mesh) are described alike."""
     leaves, treedef = jax.tree.flatten(tree)
-    return f"{treedef}|" + ";".join(f"{x.shape}:{x.dtype}:{getattr(x, 'sharding', None)}" for x in leaves)
+    return f"{treedef}|" + ";".join(f"{x.shape}:{x.dtype}:{_layout(x)}" for x in leaves)
+
+
+def _layout(x: object) -> str:
+    sharding = getattr(x, "sharding", None)
+    if sharding is None:  # a host (numpy) array
+        return "host"
+    devices = sorted(d.id for d in sharding.device_set)
+    return f"{devices}:" + ("replicated" if sharding.is_fully_replicated else str(sharding.spec))
 
 
 @functools.lru_cache(maxsize=None)
@@ -156,7 +164,7 @@ class StoredProgram:
     def __call__(self, *args: object, **static: object) -> object:
         leaves, treedef = jax.tree.flatten(args[self.num_fixed:])
         key = (self.identity, tuple(sorted(static.items())), treedef,
-               tuple((x.shape, x.dtype) for x in leaves))
+               tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves))
         compiled = self._compiled.get(key)
         if compiled is None:
             compiled = self._compiled[key] = self._load_or_compile(key, args, static)
@@ -173,14 +181,55 @@ class StoredProgram:
             self.num_loaded += 1
             return compiled
         lowered = self.jitted.lower(*args, **static)
-        for options in STORE_COMPILER_OPTIONS:
-            hits = _persistent_cache_hits()
-            compiled = lowered.compile(compiler_options=options)
-            if _persistent_cache_hits() == hits:  # compiled here, not loaded: safe to serialize
-                self.store.save(disk_key, compiled)
-                return compiled
-        logger.info("%s: JAX's persistent cache answered every compile; not stored", self.name)
+        hits = _persistent_cache_hits()
+        with _persistent_cache_off():
+            compiled = lowered.compile(compiler_options=STORE_COMPILER_OPTIONS)
+        if _persistent_cache_hits() == hits:  # compiled here, not loaded: safe to serialize
+            self.store.save(disk_key, compiled)
+        else:  # another thread switched JAX's cache back on too early (cannot happen through this module)
+            logger.warning("%s was loaded from JAX's persistent cache; not stored", self.name)
         return compiled
+
+
+class _CacheSwitch:
+    """JAX's persistent cache off while any store compile of the process runs (a count under a lock:
+    compiles in several threads overlap). The setting is process-wide: a compile in another thread
+    meanwhile neither reads nor writes the cache (only slower), which is why it is off only this long."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.depth = 0
+        self.was_on = False
+
+    @contextlib.contextmanager
+    def off(self) -> Iterator[None]:
+        with self.lock:
+            if self.depth == 0:
+                self.was_on = bool(jax.config.jax_enable_compilation_cache)
+                if self.was_on:
+                    _set_persistent_cache(False)
+            self.depth += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.depth -= 1
+                if self.depth == 0 and self.was_on:
+                    _set_persistent_cache(True)
+
+
+def _set_persistent_cache(on: bool) -> None:
+    jax.config.update("jax_enable_compilation_cache", on)
+    compilation_cache.reset_cache()  # JAX decides once whether the cache is used: decide again
+
+
+@functools.lru_cache(maxsize=1)
+def _cache_switch() -> _CacheSwitch:
+    return _CacheSwitch()
+
+
+def _persistent_cache_off() -> contextlib.AbstractContextManager[None]:
+    return _cache_switch().off()
 
 
 class _CacheHits(threading.local):

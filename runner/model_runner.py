@@ -46,14 +46,15 @@ class ModelRunner:
                  backend: Backend | None = None,
                  draft_head: Eagle3Head | None = None, num_scheduler_steps: int = 1,
                  draft_min_confidence: float = 0.0, num_verify_steps: int = 1,
-                 executable_dir: str | None = None) -> None:
+                 executable_dir: str | None = None, record_routing: bool = False) -> None:
         """`draft_min_confidence > 0`: a verification step whose sequences' first drafts all have a lower
         probability under the head decodes plainly in the same program (`Eagle3Drafter.verify`).
         `num_verify_steps > 1`: with a draft head, verification may also run up to that many
         draft-verify steps in one device loop (`Eagle3Drafter.verify_steps`). `backend` (default: the
         reference backend, pure JAX) owns the kernel choices (`runner.backends.select_backend`).
         `executable_dir`: where the step programs' compiled executables are stored and loaded
-        (`runner.executable_store`); None compiles them in every process."""
+        (`runner.executable_store`); None compiles them in every process. `record_routing`: every step
+        returns each computed token's experts in every routed-experts layer (`StepResult.routed_experts`)."""
         if not 0.0 <= draft_min_confidence <= 1.0:
             raise ValueError(f"draft_min_confidence must be in [0, 1], got {draft_min_confidence}")
         self.draft_min_confidence = draft_min_confidence
@@ -63,6 +64,9 @@ class ModelRunner:
         if num_verify_steps < 1 or (num_verify_steps > 1 and draft_head is None):
             raise ValueError(f"num_verify_steps must be >= 1 and 1 without a draft head, got {num_verify_steps}")
         self.num_verify_steps = num_verify_steps
+        if record_routing and (not model.config.moe_layers or draft_head is not None):
+            raise ValueError("record_routing needs a mixture-of-experts model and no EAGLE-3 head")
+        self.record_routing = record_routing
         self.mesh = mesh if mesh is not None else make_mesh(None)
         self.backend = backend if backend is not None else Backend()
         model = self.backend.prepare(model)  # its kernels; packed weights live in `rest`, refreshed on sync
@@ -162,7 +166,8 @@ class ModelRunner:
         self.kv_caches, out, extra, aux = self._step_fn(
             *leaves, self.kv_caches, device_batch,
             num_top=num_top, token_logprobs=batch.target_ids is not None,
-            aux_layers=self.drafter.aux_layers if self.drafter is not None else (), num_kept=num_kept)
+            aux_layers=self.drafter.aux_layers if self.drafter is not None else (), num_kept=num_kept,
+            record_routing=self.record_routing)
         if self.drafter is not None:  # the head's cache follows every target step, on the device
             self.drafter.fill(leaves, aux, device_batch)
         k, tokens = batch.num_top_logprobs, layout.token_index
@@ -170,6 +175,8 @@ class ModelRunner:
         def finish(host: tuple[SamplerOutput, SamplerOutput | None]) -> StepResult:
             out, extra = host
             result = sampled_rows(out, layout.row_index, k)
+            if out.routed_experts is not None:
+                result = dataclasses.replace(result, routed_experts=out.routed_experts[tokens][None])
             if extra is not None:
                 result = dataclasses.replace(
                     result, token_logprobs=extra.logprobs[tokens], token_top_ids=extra.top_ids[tokens, :k],
@@ -194,7 +201,8 @@ class ModelRunner:
             last = None
         else:
             self.kv_caches, out, last = self._chunk_fn(*leaves, self.kv_caches, device_batch, fed, num_top=num_top,
-                                                       max_steps=steps, num_kept=num_kept)
+                                                       max_steps=steps, num_kept=num_kept,
+                                                       record_routing=self.record_routing)
         k = batch.num_top_logprobs
         return PendingStep((out,), lambda host: sampled_rows(host[0], rows, k, slice(None)), rows=rows,
                            last_tokens=last)

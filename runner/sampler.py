@@ -83,6 +83,8 @@ class SamplerOutput:
     kept_counts: Int[Array, "S"] | None = None
     kept_ids: Int[Array, "S M"] | None = None
     ranks: Int[Array, "S"] | None = None  # 1 + tokens scoring above the sampled one (0 where no logprob was asked)
+    # each token's experts per routed-experts layer (`record_routing`; per token of the step, not per row)
+    routed_experts: Int[Array, "T L k"] | None = None
 
 
 def kept_record(raw: Float[Array, "S V"], base: Float[Array, "S V"], inputs: SamplingInputs, greedy: Bool[Array, "S"], divisor: Float[Array, "S"],

@@ -46,16 +46,22 @@ def _merge(graphdef: nnx.GraphDef, params_def: jax.tree_util.PyTreeDef, rest_def
 def _step(graphdef: nnx.GraphDef, params_def: jax.tree_util.PyTreeDef, rest_def: jax.tree_util.PyTreeDef,
           kv_sharding: NamedSharding | None, param_leaves: list[Array], rest_leaves: list[Array], kv_caches: KVCaches,
           batch: DeviceBatch, *, num_top: int, token_logprobs: bool, aux_layers: tuple[int, ...] = (),
-          num_kept: int = 0) -> tuple[KVCaches, SamplerOutput, TokenLogprobs | None, Float[Array, "R T A"]]:
+          num_kept: int = 0, record_routing: bool = False
+          ) -> tuple[KVCaches, SamplerOutput, TokenLogprobs | None, Float[Array, "R T A"]]:
     model = _merge(graphdef, params_def, rest_def, param_leaves, rest_leaves)
     return forward_and_sample(model, kv_caches, batch, num_top=num_top, token_logprobs=token_logprobs,
-                              aux_layers=aux_layers, kv_sharding=kv_sharding, num_kept=num_kept)
+                              aux_layers=aux_layers, kv_sharding=kv_sharding, num_kept=num_kept,
+                              record_routing=record_routing)
 
 
 def forward_and_sample(model: CausalLM, kv_caches: KVCaches, batch: DeviceBatch, *, num_top: int,
                        token_logprobs: bool, aux_layers: tuple[int, ...] = (), kv_sharding: NamedSharding | None = None,
-                       num_kept: int = 0) -> tuple[KVCaches, SamplerOutput, TokenLogprobs | None, Float[Array, "R T A"]]:
+                       num_kept: int = 0, record_routing: bool = False
+                       ) -> tuple[KVCaches, SamplerOutput, TokenLogprobs | None, Float[Array, "R T A"]]:
     """One step's forward over the paged cache (per replica) and sampling of its rows.
+
+    `record_routing`: the output's `routed_experts` holds every token's experts in each routed-experts
+    layer (`[R * T, L, k]`, in packed token order).
 
     `kv_sharding`: the caches' layout on a mesh, pinned on the updated caches; left to XLA's
     propagation, a head-sharded cache came back replicated (every device then held all of it and
@@ -63,25 +69,31 @@ def forward_and_sample(model: CausalLM, kv_caches: KVCaches, batch: DeviceBatch,
     """
 
     def replica_forward(token_ids: Array, positions: Array, kv: KVCaches, md: AttentionMetadata,
-                        logits_indices: Array) -> tuple[Array, Array, KVCaches, Array]:
-        hidden, kv, aux = model.forward_paged(token_ids, positions, kv, md, aux_layers)
-        return hidden, hidden[logits_indices], kv, aux
+                        logits_indices: Array) -> tuple[Array, Array, KVCaches, Array, Array]:
+        routing: list[Array] | None = [] if record_routing else None
+        hidden, kv, aux = model.forward_paged(token_ids, positions, kv, md, aux_layers, routing)
+        routed = (jnp.stack(routing, axis=1).astype(jnp.int32) if routing
+                  else jnp.zeros((token_ids.shape[0], 0, 0), jnp.int32))
+        return hidden, hidden[logits_indices], kv, aux, routed
 
     args = (batch.token_ids, batch.positions, kv_caches, batch.md, batch.logits_indices)
     # One replica on one device: no vmap, the plain program (vmap over 1 costs ~15% there). On a
     # mesh, vmap even over one replica: squeezing the replica axis of a cache whose head axis is 1
     # per device made XLA:CPU copy every layer's cache twice per step (TP=4 at half the speed).
     if kv_caches[0].shape[0] == 1 and kv_sharding is None:
-        hidden, rows_hidden, kv, aux = replica_forward(*jax.tree.map(lambda x: x[0], args))
-        hidden, rows_hidden, kv_caches, aux = jax.tree.map(lambda x: x[None], (hidden, rows_hidden, kv, aux))
+        hidden, rows_hidden, kv, aux, routed = replica_forward(*jax.tree.map(lambda x: x[0], args))
+        hidden, rows_hidden, kv_caches, aux, routed = jax.tree.map(lambda x: x[None],
+                                                                   (hidden, rows_hidden, kv, aux, routed))
     else:  # data parallel: each replica (a slice of the `data` axis) over its own KV blocks
-        hidden, rows_hidden, kv_caches, aux = jax.vmap(replica_forward)(*args)
+        hidden, rows_hidden, kv_caches, aux, routed = jax.vmap(replica_forward)(*args)
     if kv_sharding is not None:
         kv_caches = tuple(jax.lax.with_sharding_constraint(kv, kv_sharding) for kv in kv_caches)
     flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731  [R, N, ...] -> [R * N, ...]
     logits = model.compute_logits(flat(rows_hidden))
     branches = [functools.partial(sample, mode=m, num_top_logprobs=num_top, num_kept=num_kept) for m in SAMPLER_MODES]
     out = jax.lax.switch(batch.mode, branches, logits, jax.tree.map(flat, batch.sampling))
+    if record_routing:
+        out = dataclasses.replace(out, routed_experts=flat(routed))
     extra = None
     if token_logprobs:
         logp = jax.nn.log_softmax(model.compute_logits(flat(hidden)), axis=-1)
@@ -98,7 +110,8 @@ StepHook = Callable[[LoopState, DeviceBatch, Float[Array, "R T A"], Int[Array, "
 
 def decode_loop(model: CausalLM, kv_caches: KVCaches, batch: DeviceBatch, state: LoopState, *, num_top: int,
                 max_steps: int, kv_sharding: NamedSharding | None, aux_layers: tuple[int, ...] = (),
-                after_step: StepHook | None = None, num_kept: int = 0) -> tuple[KVCaches, SamplerOutput, LoopState]:
+                after_step: StepHook | None = None, num_kept: int = 0, record_routing: bool = False
+                ) -> tuple[KVCaches, SamplerOutput, LoopState]:
     """Up to `max_steps` decode steps in one device loop (multi-step decode); outputs are `[max_steps, R * N]`.
 
     Step t feeds each row the token sampled at step t - 1 at position `positions + t`. A row stays
@@ -124,7 +137,8 @@ def decode_loop(model: CausalLM, kv_caches: KVCaches, batch: DeviceBatch, state:
             sampling=dataclasses.replace(sampling, positions=positions + 1, suppress_ids=suppress, adjust=adjust),
             chunk=None)
         kv, out, _, aux = forward_and_sample(model, kv, step, num_top=num_top, token_logprobs=False,
-                                             aux_layers=aux_layers, kv_sharding=kv_sharding, num_kept=num_kept)
+                                             aux_layers=aux_layers, kv_sharding=kv_sharding, num_kept=num_kept,
+                                             record_routing=record_routing)
         if after_step is not None:
             prev_slots = paged_slots(md.page_indices, positions - 1, page_size, num_slots, active)
             state = after_step(state, step, aux, prev_slots)
@@ -137,6 +151,10 @@ def decode_loop(model: CausalLM, kv_caches: KVCaches, batch: DeviceBatch, state:
 
     num_rows = batch.token_ids.shape[0] * batch.token_ids.shape[1]
     record = record_buffers(max_steps, num_rows, num_kept)
+    if record_routing:
+        cfg = model.config
+        record["routed_experts"] = jnp.zeros((max_steps, num_rows, len(cfg.moe_layers), cfg.num_experts_per_tok),
+                                             jnp.int32)
     outs = SamplerOutput(jnp.zeros((max_steps, num_rows), jnp.int32), jnp.zeros((max_steps, num_rows), jnp.float32),
                          jnp.zeros((max_steps, num_rows, num_top), jnp.int32),
                          jnp.zeros((max_steps, num_rows, num_top), jnp.float32), **record,
@@ -157,7 +175,8 @@ def record_buffers(steps: int, num_rows: int, num_kept: int) -> dict[str, Array]
 def _decode_chunk(graphdef: nnx.GraphDef, params_def: jax.tree_util.PyTreeDef, rest_def: jax.tree_util.PyTreeDef,
                   kv_sharding: NamedSharding | None, param_leaves: list[Array], rest_leaves: list[Array],
                   kv_caches: KVCaches, batch: DeviceBatch, prev_last: Int[Array, "M"], *, num_top: int,
-                  max_steps: int, num_kept: int = 0) -> tuple[KVCaches, SamplerOutput, Int[Array, "M"]]:
+                  max_steps: int, num_kept: int = 0, record_routing: bool = False
+                  ) -> tuple[KVCaches, SamplerOutput, Int[Array, "M"]]:
     """Multi-step decode (`decode_loop`) of the model given as leaves.
 
     Rows with `chunk.feed_rows >= 0` take their input token from `prev_last` (the previous call's last
@@ -168,7 +187,7 @@ def _decode_chunk(graphdef: nnx.GraphDef, params_def: jax.tree_util.PyTreeDef, r
     fed = jnp.where(chunk.feed_rows >= 0, prev_last[jnp.maximum(chunk.feed_rows, 0)], batch.token_ids)
     batch = dataclasses.replace(batch, token_ids=fed.astype(batch.token_ids.dtype))
     kv_caches, outs, _ = decode_loop(model, kv_caches, batch, (), num_top=num_top, max_steps=max_steps,
-                                     kv_sharding=kv_sharding, num_kept=num_kept)
+                                     kv_sharding=kv_sharding, num_kept=num_kept, record_routing=record_routing)
     last_step = jnp.maximum(chunk.num_steps - 1, 0).reshape(-1)
     last = outs.token_ids[last_step, jnp.arange(last_step.shape[0])]
     return kv_caches, outs, jnp.zeros_like(prev_last).at[:last.shape[0]].set(last)
@@ -185,7 +204,7 @@ def compiled_step(graphdef: nnx.GraphDef, params_def: jax.tree_util.PyTreeDef, r
     handling of ~300 `nnx.Variable` nodes cost ~1.5 ms per step on CPU (a B=1 decode step is ~35 ms).
     """
     return jax.jit(functools.partial(_step, graphdef, params_def, rest_def, kv_sharding),
-                   static_argnames=("num_top", "token_logprobs", "aux_layers", "num_kept"), donate_argnums=(2,))
+                   static_argnames=("num_top", "token_logprobs", "aux_layers", "num_kept", "record_routing"), donate_argnums=(2,))
 
 
 @functools.lru_cache(maxsize=None)
@@ -193,4 +212,4 @@ def compiled_chunk(graphdef: nnx.GraphDef, params_def: jax.tree_util.PyTreeDef, 
                    kv_sharding: NamedSharding | None = None) -> Callable[..., tuple[KVCaches, SamplerOutput]]:
     """The jitted multi-step decode program of one model structure (shared like `compiled_step`)."""
     return jax.jit(functools.partial(_decode_chunk, graphdef, params_def, rest_def, kv_sharding),
-                   static_argnames=("num_top", "max_steps", "num_kept"), donate_argnums=(2,))
+                   static_argnames=("num_top", "max_steps", "num_kept", "record_routing"), donate_argnums=(2,))

@@ -33,6 +33,9 @@ class StepResult:
     kept_counts: Int[np.ndarray, "steps rows"] | None = None
     kept_ids: Int[np.ndarray, "steps rows M"] | None = None
     ranks: Int[np.ndarray, "steps rows"] | None = None  # of the sampled token in each row's mode (vLLM's rank)
+    # experts per routed-experts layer of each computed token (`ModelRunner(record_routing=True)`): a
+    # one-step call's tokens in packed order (`[1, T, L, k]`), a multi-step call's `[steps, rows, L, k]`
+    routed_experts: Int[np.ndarray, "steps X L k"] | None = None
 
     @property
     def steps(self) -> int:
@@ -55,5 +58,7 @@ def sampled_rows(out: SamplerOutput, rows: np.ndarray, num_top: int, steps: slic
     index = (None, rows) if steps is None else (steps, rows)
     record = {} if out.kept_logmass is None else dict(
         kept_logmass=out.kept_logmass[index], kept_counts=out.kept_counts[index], kept_ids=out.kept_ids[index])
+    if steps is not None and out.routed_experts is not None:  # a multi-step call: one token per row
+        record["routed_experts"] = out.routed_experts[index]
     return StepResult(out.token_ids[index], out.logprobs[index], out.top_ids[index][..., :num_top],
                       out.top_logprobs[index][..., :num_top], ranks=out.ranks[index], **record)

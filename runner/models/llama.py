@@ -169,9 +169,16 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def paged(self, x: Float[Array, "T H"], positions: Int[Array, "T"], kv_pages: Float[Array, "2 Hkv P page D"],
-              md: AttentionMetadata) -> tuple[Float[Array, "T H"], Float[Array, "2 Hkv P page D"]]:
+              md: AttentionMetadata, routing: list[Array] | None = None
+              ) -> tuple[Float[Array, "T H"], Float[Array, "2 Hkv P page D"]]:
+        """One engine step of the layer; a routed-experts layer appends each token's experts to `routing`."""
         attn, kv_pages = self.self_attn.paged(self.input_layernorm(x), positions, kv_pages, md)
         x = x + attn
+        if isinstance(self.mlp, SparseMoE):
+            out, experts = self.mlp.routed(self.post_attention_layernorm(x))
+            if routing is not None:
+                routing.append(experts)
+            return x + out, kv_pages
         return x + self.mlp(self.post_attention_layernorm(x)), kv_pages
 
 
@@ -240,17 +247,19 @@ class LlamaForCausalLM(nnx.Module):
         return self.compute_logits(self.hidden_states(input_ids, positions, attention_mask))
 
     def forward_paged(self, token_ids: Int[Array, "T"], positions: Int[Array, "T"], kv_caches: KVCaches,
-                      md: AttentionMetadata, aux_layers: tuple[int, ...] = ()
+                      md: AttentionMetadata, aux_layers: tuple[int, ...] = (), routing: list[Array] | None = None
                       ) -> tuple[Float[Array, "T H"], KVCaches, Float[Array, "T A"]]:
         """One engine step over packed tokens: writes their K/V into the paged caches, returns final
-        hidden, the new caches, and the residual stream entering each of `aux_layers` (`[T, 0]` if none)."""
+        hidden, the new caches, and the residual stream entering each of `aux_layers` (`[T, 0]` if none).
+        `routing`: a list that gets each routed-experts layer's `[T, k]` experts, in layer order."""
         x = self.embed(token_ids)
         new_caches = []
         entering = {}
         for i, (layer, kv_pages) in enumerate(zip(self.layers, kv_caches)):
             if i in aux_layers:
                 entering[i] = x
-            x, kv_pages = layer.paged(x, positions, kv_pages, md)
+            x, kv_pages = layer.paged(x, positions, kv_pages, md, routing) if routing is not None else \
+                layer.paged(x, positions, kv_pages, md)
             new_caches.append(kv_pages)
         return self.norm(x), tuple(new_caches), _concat_aux([entering[i] for i in aux_layers], x)
 

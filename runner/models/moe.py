@@ -70,19 +70,24 @@ class SparseMoE(nnx.Module):
         return weights.astype(x.dtype), experts
 
     def __call__(self, x: Float[Array, "... H"]) -> Float[Array, "... H"]:
+        return self.routed(x)[0]
+
+    def routed(self, x: Float[Array, "... H"]) -> tuple[Float[Array, "... H"], Int[Array, "N k"]]:
+        """The block's output and the experts each token was routed to (N = the tokens of `x`)."""
         flat = x.reshape(-1, x.shape[-1])
         weights, experts = self.route(flat)
         pairs, num_experts = flat.shape[0] * self.config.num_experts_per_tok, self.config.num_experts
         if pairs <= num_experts:
-            return self._gathered(flat, weights, experts).reshape(x.shape)
-        if self.grouped_matmul == "segments" and pairs < SEGMENTS_FROM * num_experts:
+            out = self._gathered(flat, weights, experts)
+        elif self.grouped_matmul == "segments" and pairs < SEGMENTS_FROM * num_experts:
             # nearly every expert is chosen: reading each once (the dense product) is what the step costs anyway
-            return self._dense(flat, weights, experts).reshape(x.shape)
-        try:
-            out = self._grouped(flat, weights, experts)
-        except NotImplementedError:  # jax 0.10.2's ragged_dot cannot be vmapped here (a step mapped over mesh replicas)
             out = self._dense(flat, weights, experts)
-        return out.reshape(x.shape)
+        else:
+            try:
+                out = self._grouped(flat, weights, experts)
+            except NotImplementedError:  # jax 0.10.2's ragged_dot cannot be vmapped here (mapped over mesh replicas)
+                out = self._dense(flat, weights, experts)
+        return out.reshape(x.shape), experts
 
     def _stacked(self, name: str, dtype: jnp.dtype) -> Float[Array, "E A B"]:
         return getattr(self.experts, name).kernel[...].astype(dtype)
