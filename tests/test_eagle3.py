@@ -442,6 +442,27 @@ def test_no_compilation_after_warmup(model, trained_head_dir) -> None:
     assert e.stats().speculative.num_draft_steps > 0
 
 
+def test_a_second_engine_loads_the_draft_programs(model, random_head_dir, tmp_path) -> None:
+    """The head's fill and draft-verify programs go through the executable store like the target's: an
+    engine built as in a new process (the store's memory dropped) loads every one and drafts the same."""
+    from runner import executable_store
+
+    def build() -> Engine:
+        executable_store.open_store.cache_clear()
+        return Engine.from_model(model, ByteTokenizer(), **ENGINE_KW, compilation_cache_dir=str(tmp_path),
+                                 speculative=Eagle3Config(random_head_dir, k=K, auto_disable=False))
+
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    first = build()
+    want = [o.outputs[0].token_ids for o in first.generate(prompts_for(500, 3), sp)]
+    assert first.runner.num_loaded_programs == 0 and first.stats().speculative.num_draft_steps > 0
+    stored = len(list((tmp_path / "executables").glob("*.exe")))
+    assert stored >= 3  # prefill, a fill, a draft-verify program at least
+    again = build()
+    assert [o.outputs[0].token_ids for o in again.generate(prompts_for(500, 3), sp)] == want
+    assert again.runner.num_loaded_programs == stored and again.runner.drafter.num_loaded >= 2
+
+
 # ---- weight sync ----------------------------------------------------------------------------------
 
 def test_sync_weights_policy_and_draft_head(model, plain: Engine, trained_head_dir, random_head_dir) -> None:
