@@ -33,7 +33,8 @@ Run: `python examples/bench_rollout.py` (full; slow on a small CPU), `--quick` t
 `--json-out out.json`, `--top-p 0.95` / `--top-k 50` (nucleus / top-k sampling in every sampling run,
 both sides), `--model-config qwen3-0.6b | gemma-3-1b | moe-8x2` (instead of SmolLM2: a randomly
 initialised model of that family's real shapes, the same weights on both sides: examples/model_configs.py;
-the prompts keep SmolLM2's token ids), `--new-tokens N` (R1's new tokens per sequence), `--backend reference|cpu|gpu|tpu` (the engine's kernels;
+the prompts keep SmolLM2's token ids), `--new-tokens N` (R1's new tokens per sequence), `--vs-float32`
+(with `--dtype bfloat16`: the engine once more in float32, back to back, and bfloat16 / float32 per run), `--backend reference|cpu|gpu|tpu` (the engine's kernels;
 examples/bench_tpu.sh compares the TPU backend with the reference one). Ends with
 one JSON line holding every figure.
 """
@@ -286,6 +287,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--workloads", default="R1,R2")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights and compute, both sides")
+    ap.add_argument("--vs-float32", action="store_true",
+                    help="with --dtype bfloat16: run the engine once more in float32 right after (same process, "
+                         "same runs) and print bfloat16 / float32")
     ap.add_argument("--top-p", type=float, default=1.0,
                     help="top_p of every sampling run, both sides (the workloads say 1.0; 0.95 shows the filter's cost)")
     ap.add_argument("--top-k", type=int, default=0,
@@ -402,6 +406,12 @@ def main() -> None:
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
     ours_info = run_ours(args, runs, tok, max_model_len)
+    if args.vs_float32 and args.dtype == "bfloat16":  # the engine's own float32, back to back
+        f32_runs = [dict(r) for r in runs]
+        run_ours(argparse.Namespace(**{**vars(args), "dtype": "float32"}), f32_runs, tok, max_model_len)
+        for r, f in zip(runs, f32_runs):
+            r["ours_float32"] = {k: v for k, v in f["ours"].items() if k != "peak_rss"}
+            r["ratio_vs_float32"] = r["ours"]["tok_s"] / f["ours"]["tok_s"]
     hf_info = None if args.no_baseline else run_hf(args, runs, pad_id)
 
     # ---- table
@@ -445,6 +455,10 @@ def main() -> None:
             print(f"  {r['label']:<34} prefix cache hits {o['prefix_hit_tokens_per_call']:.0f}/{q:.0f} prompt tokens "
                   f"({o['prefix_hit_tokens_per_call'] / q if q else 0:.0%}); prefill tokens computed "
                   f"{o['prefill_tokens_per_call']:.0f} in {o['prefill_steps_per_call']:.0f} steps")
+    if any("ratio_vs_float32" in r for r in runs):
+        print("bfloat16 / float32 (the engine, same process, back to back): "
+              + "; ".join(f"{r['key']} {r['ours']['tok_s']:.1f} / {r['ours_float32']['tok_s']:.1f} = "
+                          f"{r['ratio_vs_float32']:.2f}x" for r in runs))
     peak = bc.peak_rss_bytes()
     timed_compiles = sum(r["ours"]["compiles_in_timed_calls"] for r in runs)
     print(f"compiled programs: {ours_info['num_compilations']} ({timed_compiles} during timed calls); "

@@ -90,9 +90,9 @@ def paged_attention(
             max_q_len=md.max_q_len, num_common_pages=md.num_common_pages if sliding_window is None else None,
             trim_rows=md.trim_rows, sliding_window=sliding_window, soft_cap=soft_cap)
     if md.impl == "cpu_kernel":  # the CPU backend's C++ kernel (imported only by engines that chose it)
-        from runner.backends.cpu.attention import MAX_HEAD_DIM, MAX_Q_LEN, cpu_paged_attention
+        from runner.backends.cpu.attention import MAX_HEAD_DIM, MAX_Q_LEN, cpu_paged_attention, supports
 
-        if md.max_q_len <= MAX_Q_LEN and queries.dtype == kv_pages.dtype == jnp.float32 and queries.shape[-1] <= MAX_HEAD_DIM:
+        if md.max_q_len <= MAX_Q_LEN and supports(queries.dtype, kv_pages.dtype) and queries.shape[-1] <= MAX_HEAD_DIM:
             return cpu_paged_attention(queries, kv_pages, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
                                        sm_scale=sm_scale)
     elif md.impl.startswith("pallas_") and md.max_q_len == 1 and queries.shape[0] == md.page_indices.shape[0]:

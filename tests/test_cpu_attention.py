@@ -1,5 +1,6 @@
-"""The CPU paged-attention kernel (`runner/backends/cpu/attention.py`): values against the float64 reference,
-row independence (a verification row is bitwise the decode row at its position), and the engine's use."""
+"""The CPU paged-attention kernel (`runner/backends/cpu/attention.py`): values against the float64 reference
+(float32 cache, and a bfloat16 cache as uint16 bits), row independence (a verification row is bitwise the
+decode row at its position), and the engine's use in float32 and bfloat16."""
 
 from __future__ import annotations
 
@@ -63,6 +64,29 @@ def test_prefill_pieces_match_float64_reference(page: int) -> None:
     np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("head_dim,page", [(64, 16), (24, 5)])
+def test_bfloat16_cache_matches_float64_reference(head_dim: int, page: int) -> None:
+    """A bfloat16 cache stored as uint16 bits, bfloat16 queries: each element widens exactly, the arithmetic
+    is float32, so the result is the float64 reference of the bfloat16 inputs rounded once to bfloat16."""
+    rng = np.random.default_rng(head_dim + page)
+    kv_heads, group = 2, 3
+    q_lens, kv_lens = [1, 4, 1, 6, 0], [1, 37, 16, 6, 0]
+    width = -(-37 // page)
+    kv = jnp.asarray(rng.standard_normal((2, kv_heads, NUM_PAGES, page, head_dim)), jnp.bfloat16)
+    tables = rng.integers(0, NUM_PAGES, (len(q_lens), width)).astype(np.int32)
+    queries = jnp.asarray(rng.standard_normal((sum(q_lens), kv_heads * group, head_dim)), jnp.bfloat16)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    got = cpu_paged_attention(queries, jax.lax.bitcast_convert_type(kv, jnp.uint16), jnp.asarray(kv_lens, jnp.int32),
+                              jnp.asarray(tables), jnp.asarray(cu), jnp.asarray([4], jnp.int32),
+                              sm_scale=head_dim ** -0.5)
+    assert got.dtype == jnp.bfloat16
+    want = reference(np.asarray(queries, np.float32), np.asarray(kv, np.float32), q_lens, kv_lens, tables,
+                     head_dim ** -0.5)
+    rounded = np.asarray(jnp.asarray(want, jnp.bfloat16), np.float32)
+    ulp = np.abs(rounded) * 2.0 ** -7 + 1e-30  # one bfloat16 step at the result's magnitude
+    assert (np.abs(np.asarray(got, np.float32) - rounded) <= ulp).all()
+
+
 def test_a_row_depends_only_on_its_position_and_context() -> None:
     """Verification rows (4 queries of one sequence, batched with 40 others so the pool runs) equal, bit
     for bit, the one-query decode step at each position alone."""
@@ -98,6 +122,30 @@ def test_engine_uses_the_kernel_and_matches_the_pure_jax_path() -> None:
             assert a.outputs[0].token_ids == b.outputs[0].token_ids
             np.testing.assert_allclose([t.logprob for t in a.outputs[0].logprobs],
                                        [t.logprob for t in b.outputs[0].logprobs], atol=1e-5)
+
+
+def test_bfloat16_engine_uses_the_kernel_and_matches_the_pure_jax_path() -> None:
+    """A bfloat16 model: "auto" picks the kernel over the uint16-stored cache; greedy tokens equal the pure-JAX
+    path's and logprobs agree within bfloat16 rounding (the kernel sums in float32, the reference in bfloat16)."""
+    import dataclasses
+
+    from flax import nnx
+
+    from runner.models.llama import LlamaForCausalLM
+    from test_engine import CFG
+
+    model = LlamaForCausalLM(dataclasses.replace(CFG, dtype="bfloat16", param_dtype="bfloat16"), rngs=nnx.Rngs(2))
+    rng = np.random.default_rng(5)
+    prompts = [rand_prompt(rng, n) for n in (5, 19, 11)]
+    outs = {}
+    for backend in ("jax", "auto"):
+        engine = Engine.from_model(model, ByteTokenizer(), **ENGINE_KW, attention_backend=backend)
+        assert engine.runner.attention_impl == ("jax" if backend == "jax" else "cpu_kernel")
+        assert engine.runner.kv_caches[0].dtype == jnp.uint16
+        outs[backend] = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, logprobs=0))
+    for a, b in zip(outs["jax"], outs["auto"]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        np.testing.assert_allclose(a.outputs[0].logprobs.values, b.outputs[0].logprobs.values, atol=0.05)
 
 
 def test_the_kernel_on_a_mesh_is_a_clear_error() -> None:

@@ -60,7 +60,7 @@ def auto_attention_impl(backend: str, platform: str, model_axis: int, cache_dtyp
     kernel on a TPU with a bfloat16 cache and no `model` axis ("tpu_ragged"), else through the pure-JAX
     reference of that layout ("tpu_ragged_jax": a float32 cache stays exact; a sharded one stays
     partitioned). "auto" elsewhere: on a GPU without tensor parallelism, the Pallas decode kernel; on
-    one CPU device with a float32 cache, the C++ kernel when it builds; otherwise pure JAX.
+    one CPU device with a float32 or bfloat16 cache, the C++ kernel when it builds; otherwise pure JAX.
     """
     if backend == "tpu" or (backend == "auto" and platform == "tpu"):
         kernel = platform == "tpu" and model_axis == 1 and jnp.dtype(cache_dtype) == jnp.bfloat16
@@ -69,7 +69,7 @@ def auto_attention_impl(backend: str, platform: str, model_axis: int, cache_dtyp
         return backend
     if model_axis != 1:
         return "jax"
-    if platform == "cpu" and num_devices == 1 and jnp.dtype(cache_dtype) == jnp.float32:
+    if platform == "cpu" and num_devices == 1 and jnp.dtype(cache_dtype) in (jnp.float32, jnp.bfloat16):
         from runner.backends.cpu.attention import load
 
         return "cpu_kernel" if load().available else "jax"

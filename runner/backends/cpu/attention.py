@@ -10,7 +10,9 @@ a verification row equals the decode row at that position bitwise.
 Used for steps of at most `MAX_Q_LEN` queries per sequence (prefill steps attend in pieces of
 `BucketConfig.query_block` = 32 queries, which the kernel takes as sequences: one 512-token R1 prefill
 step 600 -> 450 ms, with ~350-token prompts 900 -> 500 ms against the reference's batched dots), a
-float32 cache, one CPU device. Built on first use (`runner.backends.cpu.kernel_build`);
+float32 cache or a bfloat16 one stored as its uint16 bits (the CPU backend's bfloat16 cache: each
+element widens exactly to float32 in the kernel; queries go in as float32, the result comes back in
+the queries' dtype), one CPU device. Built on first use (`runner.backends.cpu.kernel_build`);
 `JAX_ROLLOUT_CPU_ATTENTION=0` turns it off.
 """
 
@@ -28,12 +30,14 @@ from runner.backends.cpu.kernel_build import KernelStatus, load_kernel
 MAX_Q_LEN = 64  # queries per sequence (or prefill piece) up to which a step uses the kernel
 MAX_HEAD_DIM = 256
 _TARGET = "jax_rollout_paged_attention"
+_TARGET_BF16 = "jax_rollout_paged_attention_bf16"  # a bfloat16 cache as uint16 bits
 
 
 @functools.cache
 def load() -> KernelStatus:
     """Build (once per machine) and register the kernel for this process."""
-    return load_kernel("paged_attention.cc", "JAX_ROLLOUT_CPU_ATTENTION", {_TARGET: "PagedAttention"})
+    return load_kernel("paged_attention.cc", "JAX_ROLLOUT_CPU_ATTENTION",
+                       {_TARGET: "PagedAttention", _TARGET_BF16: "PagedAttentionBf16"})
 
 
 def cpu_paged_attention(
@@ -46,15 +50,26 @@ def cpu_paged_attention(
     *,
     sm_scale: float,
 ) -> Float[Array, "T Hq D"]:
-    """`runner.attention.ragged_paged_attention`'s result from the kernel (needs `load().available`).
+    """`runner.attention.ragged_paged_attention`'s result from the kernel (needs `load().available`), in
+    the queries' dtype.
 
     Tokens outside the first `num_seqs` sequences' query ranges, and rows without context, are zero.
     """
-    if queries.dtype != jnp.float32 or kv_pages.dtype != jnp.float32:
-        raise ValueError(f"the CPU attention kernel is float32 only, got {queries.dtype} queries, {kv_pages.dtype} cache")
+    if not supports(queries.dtype, kv_pages.dtype):
+        raise ValueError(f"the CPU attention kernel takes float32 queries and cache, or bfloat16 queries and a "
+                         f"bfloat16 cache as uint16 bits; got {queries.dtype} queries, {kv_pages.dtype} cache")
     if queries.shape[-1] > MAX_HEAD_DIM:
         raise ValueError(f"the CPU attention kernel takes head_dim <= {MAX_HEAD_DIM}, got {queries.shape[-1]}")
-    call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(queries.shape, jnp.float32), vmap_method="sequential")
+    target = _TARGET if kv_pages.dtype == jnp.float32 else _TARGET_BF16
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(queries.shape, jnp.float32), vmap_method="sequential")
     i32 = lambda x: x.astype(jnp.int32)  # noqa: E731
-    return call(queries, kv_pages, i32(kv_lens), i32(page_indices), i32(cu_q_lens), i32(num_seqs),
-                sm_scale=np.float32(sm_scale))
+    out = call(queries.astype(jnp.float32), kv_pages, i32(kv_lens), i32(page_indices), i32(cu_q_lens),
+               i32(num_seqs), sm_scale=np.float32(sm_scale))
+    return out.astype(queries.dtype)
+
+
+def supports(query_dtype: jnp.dtype, cache_dtype: jnp.dtype) -> bool:
+    """Whether the kernel takes these dtypes: a float32 cache with float32 queries, or a bfloat16 cache
+    stored as uint16 bits with bfloat16 queries."""
+    pair = (jnp.dtype(query_dtype), jnp.dtype(cache_dtype))
+    return pair in ((jnp.dtype(jnp.float32), jnp.dtype(jnp.float32)), (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.uint16)))

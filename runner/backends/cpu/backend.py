@@ -64,13 +64,6 @@ def row_kernel_status(mesh: Mesh, dtype: str, param_dtype: str, enabled: bool = 
     return load_row_kernel()
 
 
-def auto_cpu_attention(mesh: Mesh, cache_dtype: str) -> str:
-    """"auto" attention on CPU: the C++ kernel on one device with a float32 cache when it builds."""
-    if mesh.size == 1 and jnp.dtype(cache_dtype) == jnp.float32 and load_attention().available:
-        return "cpu_kernel"
-    return "jax"
-
-
 class CpuBackend(Backend):
     """The C++ kernels where they run, XLA's ops elsewhere."""
 

@@ -10,6 +10,10 @@
 //
 //   out[t, h * G + g, :] = softmax_k(scale * q[t, h * G + g, :] . K[h, key, :]) @ V[h, key, :]
 //   over the keys of t's sequence at positions <= t's position (kv_len - q_len + index in sequence).
+//
+// Two cache types: float32 (`PagedAttention`) and bfloat16 stored as its uint16 bits (`PagedAttentionBf16`,
+// the CPU backend's bfloat16 cache): each K/V element widens exactly to float32 as it is loaded (its bits
+// shifted up 16), so a bfloat16 cache costs half the memory traffic and the same float32 arithmetic.
 #include <algorithm>
 #include <cfloat>
 #include <cstdint>
@@ -40,6 +44,16 @@ inline void store(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
 inline v16 splat(float x) { return v16{} + x; }
 inline v16 load_tail(const float* p, int64_t n) {  // n < 16 floats, the rest zero
   v16 v = {}; std::memcpy(&v, p, n * sizeof(float)); return v;
+}
+
+typedef uint16_t h16 __attribute__((vector_size(32)));
+inline v16 widen(h16 h) {  // bfloat16 bits -> float32, exactly
+  const i16 bits = __builtin_convertvector(h, i16) << 16;
+  v16 v; std::memcpy(&v, &bits, sizeof v); return v;
+}
+inline v16 load(const uint16_t* p) { h16 h; std::memcpy(&h, p, sizeof h); return widen(h); }
+inline v16 load_tail(const uint16_t* p, int64_t n) {
+  h16 h = {}; std::memcpy(&h, p, n * sizeof(uint16_t)); return widen(h);
 }
 
 inline float hsum(v16 v) {  // a fixed tree: 16 -> 8 -> 4 -> 1
@@ -100,9 +114,10 @@ inline v16 vexp(v16 x) {
   return underflow ? splat(0.0f) : y;
 }
 
+template <typename KV>  // the cache's element: float, or uint16_t holding bfloat16 bits
 struct Problem {
   const float* q;       // [T, Hq, D]
-  const float* kv;      // [2, Hkv, P, page, D]
+  const KV* kv;         // [2, Hkv, P, page, D]
   const int32_t* kv_lens;
   const int32_t* pages;  // [S, W]
   const int32_t* cu_q_lens;
@@ -112,10 +127,10 @@ struct Problem {
 };
 
 // All query rows of sequence s for KV head h. DV = ceil(head_dim / 16); kFull: head_dim % 16 == 0.
-template <int DV, bool kFull>
-void attend(const Problem& pb, int64_t s, int64_t h) {
+template <int DV, bool kFull, typename KV>
+void attend(const Problem<KV>& pb, int64_t s, int64_t h) {
   const int64_t D = pb.head_dim, tail = D - 16 * (DV - 1);
-  auto ld = [tail](const float* p, int u) { return kFull || u < DV - 1 ? load(p + 16 * u) : load_tail(p + 16 * u, tail); };
+  auto ld = [tail](const auto* p, int u) { return kFull || u < DV - 1 ? load(p + 16 * u) : load_tail(p + 16 * u, tail); };
   const int64_t q_start = pb.cu_q_lens[s], q_len = pb.cu_q_lens[s + 1] - q_start;
   const int64_t kv_len = pb.kv_lens[s];
   if (q_len <= 0 || kv_len <= 0 || q_start < 0 || q_start + q_len > pb.num_tokens) return;
@@ -142,11 +157,11 @@ void attend(const Problem& pb, int64_t s, int64_t h) {
       pos[r] = kv_len - q_len + i;
     }
   const int64_t page_floats = pb.page_size * D;
-  const float* k_head = pb.kv + h * pb.total_pages * page_floats;
-  const float* v_head = pb.kv + (pb.num_kv_heads + h) * pb.total_pages * page_floats;
+  const KV* k_head = pb.kv + h * pb.total_pages * page_floats;
+  const KV* v_head = pb.kv + (pb.num_kv_heads + h) * pb.total_pages * page_floats;
   const int32_t* table = pb.pages + s * pb.table_width;
   // The keys of the tile at t0 (those past the context read a clipped page and are masked).
-  auto locate = [&](int64_t t0, const float** keys, const float** values) {
+  auto locate = [&](int64_t t0, const KV** keys, const KV** values) {
     for (int t = 0; t < kTile; ++t) {
       const int64_t key = std::min(t0 + t, kv_len - 1);
       const int64_t col = std::min(key / pb.page_size, pb.table_width - 1);
@@ -156,18 +171,18 @@ void attend(const Problem& pb, int64_t s, int64_t h) {
       values[t] = v_head + offset;
     }
   };
-  const float* keys[2][kTile];  // this tile's and the next one's, alternating
-  const float* values[2][kTile];
+  const KV* keys[2][kTile];  // this tile's and the next one's, alternating
+  const KV* values[2][kTile];
   v16 dots[kTile];
   alignas(64) float p[kTile];
   locate(0, keys[0], values[0]);
   for (int64_t t0 = 0, cur = 0; t0 < kv_len; t0 += kTile, cur ^= 1) {
-    const float* const* key_at = keys[cur];
-    const float* const* value_at = values[cur];
+    const KV* const* key_at = keys[cur];
+    const KV* const* value_at = values[cur];
     if (t0 + kTile < kv_len) {  // the next tile's K and V lines on their way from memory while this one computes
       locate(t0 + kTile, keys[cur ^ 1], values[cur ^ 1]);
       for (int t = 0; t < kTile; ++t)
-        for (int64_t f = 0; f < D; f += 16) {
+        for (int64_t f = 0; f < D; f += 64 / sizeof(KV)) {  // one prefetch per cache line
           __builtin_prefetch(keys[cur ^ 1][t] + f);
           __builtin_prefetch(values[cur ^ 1][t] + f);
         }
@@ -209,12 +224,13 @@ void attend(const Problem& pb, int64_t s, int64_t h) {
     }
 }
 
-template <int DV>
-void attend_dv(const Problem& pb, int64_t s, int64_t h) {
+template <int DV, typename KV>
+void attend_dv(const Problem<KV>& pb, int64_t s, int64_t h) {
   if (pb.head_dim == 16 * DV) attend<DV, true>(pb, s, h); else attend<DV, false>(pb, s, h);
 }
 
-void attend_item(const Problem& pb, int64_t item) {
+template <typename KV>
+void attend_item(const Problem<KV>& pb, int64_t item) {
   const int64_t s = item / pb.num_kv_heads, h = item % pb.num_kv_heads;
   switch ((pb.head_dim + 15) / 16) {
     case 1: return attend_dv<1>(pb, s, h);
@@ -236,7 +252,8 @@ void attend_item(const Problem& pb, int64_t item) {
   }
 }
 
-ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kv,
+template <typename KV, ffi::DataType kKV>
+ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<kKV> kv,
                               ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_indices,
                               ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs, float sm_scale,
                               ffi::ResultBuffer<ffi::F32> out) {
@@ -246,8 +263,9 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
     return ffi::Error::InvalidArgument("paged_attention: q [T, Hq, D], kv [2, Hkv, P, page, D], kv_lens [S], "
                                        "page_indices [S, W], cu_q_lens [S + 1]");
   if (qd[2] < 1 || qd[2] > 256) return ffi::Error::InvalidArgument("paged_attention: head_dim must be 1..256");
-  const Problem pb{q.typed_data(), kv.typed_data(), kv_lens.typed_data(), page_indices.typed_data(),
-                  cu_q_lens.typed_data(), out->typed_data(), qd[0], qd[1], kd[1], qd[2], kd[2], kd[3], pd[1], sm_scale};
+  const Problem<KV> pb{q.typed_data(), reinterpret_cast<const KV*>(kv.untyped_data()), kv_lens.typed_data(),
+                       page_indices.typed_data(), cu_q_lens.typed_data(), out->typed_data(), qd[0], qd[1], kd[1],
+                       qd[2], kd[2], kd[3], pd[1], sm_scale};
   std::memset(pb.out, 0, sizeof(float) * qd[0] * qd[1] * qd[2]);
   const int64_t seqs = std::clamp<int64_t>(num_seqs.typed_data()[0], 0, pd[0]);
   const int64_t num_items = seqs * pb.num_kv_heads;
@@ -264,9 +282,13 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttention, PagedAttentionImpl,
-                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<float>("sm_scale").Ret<ffi::Buffer<ffi::F32>>());
+#define JAX_ROLLOUT_PAGED_ATTENTION(NAME, KV, KV_TYPE)                                                   \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME, (PagedAttentionImpl<KV, KV_TYPE>),                                   \
+                                ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()                                    \
+                                    .Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<KV_TYPE>>()              \
+                                    .Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>()             \
+                                    .Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>()             \
+                                    .Attr<float>("sm_scale").Ret<ffi::Buffer<ffi::F32>>());
+
+JAX_ROLLOUT_PAGED_ATTENTION(PagedAttention, float, ffi::F32)
+JAX_ROLLOUT_PAGED_ATTENTION(PagedAttentionBf16, uint16_t, ffi::U16)
