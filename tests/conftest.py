@@ -15,14 +15,17 @@ import pytest  # noqa: E402
 MAX_MAPPINGS = 30_000  # half of Linux's default vm.max_map_count
 
 
-@pytest.fixture(autouse=True, scope="module")
+@pytest.fixture(autouse=True)
 def _free_compiled_programs():
-    """Drop every compiled program after a test module once the process holds many memory mappings.
+    """Drop the compiled programs no live engine holds, after a test, once the process holds many memory mappings.
 
     An XLA:CPU executable keeps hundreds of mappings (its JIT-compiled kernels); the whole suite's
     programs together passed Linux's default `vm.max_map_count` (65530), and LLVM then segfaults
-    inside a compilation. Clearing after every module would cost minutes of recompilation (modules
-    share programs of the same model structure), so it happens only past MAX_MAPPINGS.
+    inside a compilation or an executable's serialization (tests/test_eagle3.py alone reached ~47k
+    with every program freshly compiled). Clearing after every test would cost minutes of
+    recompilation (tests share programs of the same model structure), so it happens only past
+    MAX_MAPPINGS; engines still alive (module fixtures) keep their programs, and the rest reload
+    from the executable store on disk when used again.
     """
     yield
     maps = Path("/proc/self/maps")
