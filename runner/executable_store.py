@@ -4,8 +4,8 @@ JAX's persistent compilation cache removes XLA's compile from a second start, bu
 lowers every program to compute the cache key: on SmolLM2 ~0.7 s of each step program's ~0.9 s. A
 `StoredProgram` looks its executables up by a key computed without tracing (the code version, the
 program's identity, its static arguments and the shapes of its inputs), loads a serialized executable
-from an `ExecutableStore` on a miss, and only compiles (`lower().compile()`, which shares jit's
-in-memory caches and JAX's persistent cache) when none is stored.
+from an `ExecutableStore` on a miss, and only compiles (`lower().compile()`: see below for how such a
+compile avoids JAX's persistent cache) when none is stored.
 
 The key covers everything the compiled program depends on: a hash of this package's source files
 (Python and C++ kernels), the jax / jaxlib / flax versions, XLA_FLAGS, the CPU's feature flags, the
