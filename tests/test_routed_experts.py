@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -33,16 +34,10 @@ def make_moe(seed: int = 0) -> LlamaForCausalLM:
     model = LlamaForCausalLM(MOE_CFG, rngs=nnx.Rngs(seed))
     rng = np.random.default_rng(seed)
     params = nnx.state(model, nnx.Param)
-    nnx.update(model, jax_tree_map(lambda x: jnp.asarray(
+    nnx.update(model, jax.tree.map(lambda x: jnp.asarray(
         rng.standard_normal(x.shape) / np.sqrt(x.shape[-2] if x.ndim > 1 else 1) + (1.0 if x.ndim == 1 else 0.0),
         x.dtype), params))
     return model
-
-
-def jax_tree_map(fn: object, tree: object) -> object:
-    import jax
-
-    return jax.tree.map(fn, tree)
 
 
 def trainer_routing(model: LlamaForCausalLM, ids: list[int], monkeypatch: pytest.MonkeyPatch) -> np.ndarray:
