@@ -34,7 +34,10 @@ Run: `python examples/bench_rollout.py` (full; slow on a small CPU), `--quick` t
 both sides), `--model-config qwen3-0.6b | gemma-3-1b | moe-8x2` (instead of SmolLM2: a randomly
 initialised model of that family's real shapes, the same weights on both sides: examples/model_configs.py;
 the prompts keep SmolLM2's token ids), `--new-tokens N` (R1's new tokens per sequence), `--vs-float32`
-(with `--dtype bfloat16`: the engine once more in float32, back to back, and bfloat16 / float32 per run), `--backend reference|cpu|gpu|tpu` (the engine's kernels;
+(with `--dtype bfloat16`: the engine once more in float32, back to back, and bfloat16 / float32 per run),
+`--no-amx` (neither side uses AMX: the engine with `cpu_amx=False`, PyTorch's oneDNN with
+`ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`; how a CPU with AVX512_BF16 but no AMX, such as AMD Zen 4, runs,
+except that VDPBF16PS's speed differs between such CPUs: `engine.stats().cpu_bf16_matmul` says), `--backend reference|cpu|gpu|tpu` (the engine's kernels;
 examples/bench_tpu.sh compares the TPU backend with the reference one). Ends with
 one JSON line holding every figure.
 """
@@ -114,7 +117,7 @@ def run_ours(args: argparse.Namespace, runs: list[dict[str, Any]], tok: Any, max
     rss0 = bc.current_rss_bytes()
     t0 = time.perf_counter()
     kw = dict(max_num_seqs=64, max_model_len=max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-              backend=args.backend)
+              backend=args.backend, cpu_amx=not args.no_amx)
     if args.model_dir is None:
         engine = Engine.from_pretrained(None, dtype=args.dtype, **kw)
     else:  # the random model of --model-config, with SmolLM2's tokenizer (prompts are token ids)
@@ -180,7 +183,9 @@ def run_ours(args: argparse.Namespace, runs: list[dict[str, Any]], tok: Any, max
     info = dict(load_s=round(load_s, 2), rss_before_load=rss0, rss_after_load=rss_loaded,
                 num_compilations=stats.num_compilations, num_preemptions=stats.num_preemptions,
                 param_bytes=int(sum(x.nbytes for x in __import__("jax").tree.leaves(engine.runner.params))),
-                device_peak_bytes=bc.accelerator_peak_bytes())
+                device_peak_bytes=bc.accelerator_peak_bytes(), cpu_amx=stats.cpu_amx,
+                cpu_bf16_matmul=stats.cpu_bf16_matmul)
+    print(f"  kernels: AMX {stats.cpu_amx}; bfloat16 matmuls {stats.cpu_bf16_matmul}", flush=True)
     del engine
     gc.collect()
     info["rss_after_free"] = bc.current_rss_bytes()
@@ -290,6 +295,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--vs-float32", action="store_true",
                     help="with --dtype bfloat16: run the engine once more in float32 right after (same process, "
                          "same runs) and print bfloat16 / float32")
+    ap.add_argument("--no-amx", action="store_true",
+                    help="neither side uses AMX (engine: cpu_amx=False; PyTorch: ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16)")
     ap.add_argument("--top-p", type=float, default=1.0,
                     help="top_p of every sampling run, both sides (the workloads say 1.0; 0.95 shows the filter's cost)")
     ap.add_argument("--top-k", type=int, default=0,
@@ -306,6 +313,8 @@ def parse_args() -> argparse.Namespace:
                          "'DxM' = (data D, model M); e.g. 1,2,4 or 1x1,1x2,2x1 (fake CPU devices here, real chips "
                          "elsewhere) and the slowdown vs the first")
     args = ap.parse_args()
+    if args.no_amx:  # read by oneDNN when PyTorch first uses it (the baseline imports torch later)
+        os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX512_CORE_BF16"
     q = args.quick
     args.repeats = args.repeats if args.repeats is not None else (1 if q else 3)
     args.batch_sizes = [int(b) for b in (args.batch_sizes or ("1,8" if q else "1,8,32,64")).split(",") if b.strip()]

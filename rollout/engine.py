@@ -206,6 +206,7 @@ class Engine(EngineCore):
             prefix_cache_queried_tokens=self.block_manager.num_cache_queried_tokens,
             num_compilations=num_compilations() - self._compiles_at_start,
             backend=backend.name, cpu_row_kernel=backend.matmul, cpu_amx=backend.amx, attention_impl=backend.attention,
+            cpu_bf16_matmul=backend.bf16_matmul,
             speculative=dataclasses.replace(self.speculator.stats) if self.speculator is not None else None)
 
 

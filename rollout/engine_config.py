@@ -160,6 +160,7 @@ class EngineStats:
     # "ok": matmuls `runner.backends.cpu.amx_matmul.takes` use AMX tiles (the layers' of >= 25 rows where the row kernel
     # runs, else >= 9; the tied head's past 8 rows); else why not
     cpu_amx: str = ""
+    cpu_bf16_matmul: str = ""  # a bfloat16 model's matmuls: "ok: AMX tiles" / "ok: AVX512_BF16 ..." or why XLA's dot
     attention_impl: str = ""  # the attention kernel of decode / verification steps (runner.attention.ATTENTION_IMPLS)
 
     @property

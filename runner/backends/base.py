@@ -52,6 +52,7 @@ class BackendStatus:
     matmul: str  # the few-row matmul kernel ("ok", or why XLA's dot runs)
     amx: str  # the AMX matmul ("ok", or why not)
     attention: str  # the attention impl of paged steps (one of `runner.attention.ATTENTION_IMPLS`)
+    bf16_matmul: str = "off"  # a bfloat16 model's matmul kernel ("ok: ..." and which, or why XLA's dot)
 
 
 class Backend:

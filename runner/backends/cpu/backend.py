@@ -4,6 +4,8 @@
 - AMX tiles for larger float32 matmuls where the CPU has AMX-BF16 (`amx_matmul`: weights kept packed
   next to the float32 ones, recomputed by `refresh` after a weight update), and for every matmul of a
   bfloat16 model (its weights packed as they are: one exact product per tile),
+- without AMX, a bfloat16 model's matmuls of up to `bf16_matmul.MAX_ROWS` rows on AVX512_BF16
+  (`bf16_matmul`: the same packed weights, VDPBF16PS or widened FMAs, whichever this core runs faster),
 - paged attention (`attention`: decode, verification and prefill pieces of up to 64 queries).
 
 Each runs only where it builds and helps (AVX-512, float32, one device); otherwise XLA's dot or the
@@ -25,6 +27,7 @@ from jaxtyping import Array, Float
 
 from runner.backends.base import Backend, BackendStatus, ModuleT, PackedKernel, XlaMatmul
 from runner.backends.cpu import amx_matmul as amx
+from runner.backends.cpu import bf16_matmul as bf16
 from runner.backends.cpu.attention import load as load_attention
 from runner.backends.cpu.kernel_build import KernelStatus
 from runner.backends.cpu.row_matmul import MAX_ROWS, MAX_ROWS_NT, load as load_row_kernel, row_matmul, row_matmul_nt
@@ -38,11 +41,16 @@ class CpuMatmul:
     row_max_rows: int
     amx_from_rows: int = amx.DEFAULT_FROM_ROWS
     transposed: bool = False
+    bf16_kernel: str = "amx"  # a bfloat16 model's packed weights: "amx", or AVX512_BF16's "dot" / "fma" variant
 
     def __call__(self, x: Float[Array, "... K"], w: Array, packed: Array | None) -> Float[Array, "... N"]:
         rows = math.prod(x.shape[:-1])
-        if packed is not None and packed.shape[2] == 1:  # bfloat16 weights: AMX at every row count
-            return amx.amx_matmul(x.astype(jnp.bfloat16), packed)
+        if packed is not None and packed.shape[2] == 1:  # bfloat16 weights
+            if self.bf16_kernel == "amx":  # at every row count
+                return amx.amx_matmul(x.astype(jnp.bfloat16), packed)
+            if rows <= bf16.MAX_ROWS:
+                return bf16.bf16_matmul(x, packed, dot=self.bf16_kernel == "dot")
+            return XlaMatmul(self.transposed)(x, w, None)
         if packed is not None and amx.takes(rows, self.row_max_rows, self.amx_from_rows):
             return amx.amx_matmul(x, packed)
         if 0 < rows <= self.row_max_rows:
@@ -77,18 +85,19 @@ class CpuBackend(Backend):
         if attention_impl == "cpu_kernel" and not load_attention().available:
             raise ValueError(f"attention impl 'cpu_kernel' is unavailable here ({load_attention().reason}); use 'jax'")
         self.row_kernel = row_kernel_status(mesh, dtype, param_dtype, row_kernel)
-        bf16_amx = (dtype, param_dtype) == ("bfloat16", "bfloat16") and mesh.size == 1 and row_kernel
-        if not self.row_kernel.available and not bf16_amx:
+        bf16_model = (dtype, param_dtype) == ("bfloat16", "bfloat16") and mesh.size == 1 and row_kernel
+        if not self.row_kernel.available and not bf16_model:
             self.amx = self.row_kernel
         elif not use_amx:
             self.amx = KernelStatus(False, "turned off by EngineConfig(cpu_amx=False)")
         else:
             self.amx = amx.load()
         self.amx_from_rows = amx.from_rows(amx_from_rows) if self.amx.available else amx_from_rows
+        self.bf16_kernel, self.bf16_status = _bf16_kernel(bf16_model, self.amx)
 
     @property
     def packs_weights(self) -> bool:
-        return self.amx.available
+        return self.amx.available or self.bf16_kernel != ""
 
     def prepare(self, module: ModuleT, *, pack: bool = True) -> ModuleT:
         """A copy of `module` (sharing its arrays) computing with the kernels that run here: every
@@ -98,17 +107,19 @@ class CpuBackend(Backend):
         for _, sub in nnx.iter_modules(copy):
             if hasattr(sub, "grouped_matmul"):  # a mixture of experts: XLA:CPU's ragged_dot multiplies every expert
                 sub.grouped_matmul = "segments"
-        if not self.row_kernel.available and not self.amx.available:
+        if not self.row_kernel.available and not self.packs_weights:
             return copy
-        rows_on = self.row_kernel.available  # off for a bfloat16 model: AMX (or XLA's dot) takes every matmul
+        rows_on = self.row_kernel.available  # off for a bfloat16 model: its packed-weight kernel or XLA's dot
+        kernel = self.bf16_kernel or "amx"
         for _, sub in nnx.iter_modules(copy):
             if hasattr(sub, "matmul"):  # a Linear
-                sub.matmul = CpuMatmul(MAX_ROWS if rows_on else 0, self.amx_from_rows)
+                sub.matmul = CpuMatmul(MAX_ROWS if rows_on else 0, self.amx_from_rows, bf16_kernel=kernel)
             elif hasattr(sub, "head_matmul"):  # a causal LM: its tied output projection
-                sub.head_matmul = CpuMatmul(MAX_ROWS_NT if rows_on else 0, self.amx_from_rows, transposed=True)
+                sub.head_matmul = CpuMatmul(MAX_ROWS_NT if rows_on else 0, self.amx_from_rows, transposed=True,
+                                            bf16_kernel=kernel)
             else:
                 continue
-            w = _amx_weight(sub) if pack and self.amx.available else None
+            w = _amx_weight(sub) if pack and self.packs_weights else None
             packed = PackedKernel(amx.pack_kernel(w)) if w is not None else nnx.data(None)
             if hasattr(sub, "matmul"):
                 sub.packed = packed
@@ -134,7 +145,22 @@ class CpuBackend(Backend):
 
     def status(self) -> BackendStatus:
         return BackendStatus(self.name, matmul=self.row_kernel.reason, amx=self.amx.reason,
-                             attention=self.attention_impl)
+                             attention=self.attention_impl, bf16_matmul=self.bf16_status)
+
+
+def _bf16_kernel(bf16_model: bool, amx_status: KernelStatus) -> tuple[str, str]:
+    """The kernel of a bfloat16 model's packed weights ("amx", "dot", "fma"; "" for none) and what
+    `stats()` says of it."""
+    if not bf16_model:
+        return "", "not a bfloat16 model on one CPU device with kernels on"
+    if amx_status.available:
+        return "amx", "ok: AMX tiles"
+    status = bf16.load()
+    if not status.available:
+        return "", f"XLA's dot: {status.reason}"
+    if bf16.prefers_dot():
+        return "dot", f"ok: AVX512_BF16 dot products (VDPBF16PS {bf16.dot_speed():.2f}x FMA's multiply-adds here)"
+    return "fma", f"ok: widened weights and FMAs (VDPBF16PS {bf16.dot_speed():.2f}x FMA's multiply-adds here)"
 
 
 def _amx_weight(sub: nnx.Module) -> Array | None:
