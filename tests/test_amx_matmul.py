@@ -76,6 +76,9 @@ def test_bfloat16_weights_take_one_exact_product(m: int, k: int, n: int) -> None
     np.testing.assert_array_equal(np.asarray(unpack_kernel(packed)), np.asarray(w, np.float32))
     got = np.asarray(jax.jit(amx_matmul)(x, packed))
     assert got.dtype == jnp.bfloat16
+    # bfloat16 in and out: the kernel's rounding is bit for bit XLA's convert of its float32 sums
+    f32_sums = jax.jit(amx_matmul)(x.astype(jnp.float32), packed)
+    np.testing.assert_array_equal(got.view(np.uint16), np.asarray(f32_sums.astype(jnp.bfloat16)).view(np.uint16))
     want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
     scale = np.abs(np.asarray(x, np.float64)) @ np.abs(np.asarray(w, np.float64))
     assert np.max(np.abs(got.astype(np.float64) - want) / scale) < 2.0**-8

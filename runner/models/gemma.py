@@ -78,7 +78,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
     def embed(self, input_ids: Int[Array, "..."]) -> Float[Array, "... H"]:
         dtype = jnp.dtype(self.config.dtype)
         normalizer = jnp.asarray(self.config.hidden_size ** 0.5, dtype)  # rounded to the compute dtype, as HF
-        return self.embed_tokens[...][input_ids].astype(dtype) * normalizer
+        return self.embedding(input_ids).astype(dtype) * normalizer
 
     def compute_logits(self, hidden: Float[Array, "... H"]) -> Float[Array, "... V"]:
         logits = super().compute_logits(hidden)

@@ -32,6 +32,7 @@ from jaxtyping import Array, Float, Int
 from runner.attention import MASK_VALUE, AttentionMetadata, paged_attention, paged_slots, write_kv
 from runner.models.config import ModelConfig, RopeScaling
 from runner.models.family import DraftTarget
+from runner.models.llama import embedding_rows
 from runner.models.llama import MLP, Linear, RMSNorm, apply_rope, rope_inv_freq
 from runner.sampler_blocks import argmax_last
 
@@ -200,7 +201,7 @@ class Eagle3Head(nnx.Module):
     def embed(self, target: DraftTarget, token_ids: Int[Array, "..."]) -> Float[Array, "... H"]:
         if self.embed_tokens is None:
             return target.embed(token_ids)
-        return self.embed_tokens[...][token_ids].astype(jnp.dtype(self.config.dtype))
+        return embedding_rows(self.embed_tokens[...], token_ids).astype(jnp.dtype(self.config.dtype))
 
     def logits(self, target: DraftTarget, x: Float[Array, "... H"]) -> Float[Array, "... Vd"]:
         """float32 logits over the draft vocabulary of a layer output `x` (before `norm`)."""

@@ -50,7 +50,7 @@ def from_rows(default: int = DEFAULT_FROM_ROWS) -> int:
     return int(value)
 
 
-_TARGET = "jax_rollout_amx_matmul"
+_TARGET, _TARGET_BF16 = "jax_rollout_amx_matmul", "jax_rollout_amx_matmul_bf16"
 
 
 @functools.cache
@@ -59,7 +59,7 @@ def load() -> KernelStatus:
     flags = cpu_flags()
     if not {"amx_tile", "amx_bf16"} <= flags:
         return KernelStatus(False, "the CPU has no AMX-BF16")
-    status = load_kernel("amx_matmul.cc", "JAX_ROLLOUT_AMX", {_TARGET: "AmxMatmul"})
+    status = load_kernel("amx_matmul.cc", "JAX_ROLLOUT_AMX", {_TARGET: "AmxMatmul", _TARGET_BF16: "AmxMatmulBf16"})
     if not status.available or status.library is None:
         return status
     code = ctypes.CDLL(status.library).jax_rollout_amx_enable()
@@ -115,9 +115,10 @@ def unpack_kernel(packed: UInt16[Array, "N/16 K/32 P 16 16 2"]) -> Float[Array, 
 
 
 @jax.custom_vjp
-def _matmul(x: Float[Array, "M K"], packed: UInt16[Array, "N/16 K/32 3 16 16 2"]) -> Float[Array, "M N"]:
-    out = jax.ShapeDtypeStruct((x.shape[0], packed.shape[0] * 16), jnp.float32)
-    return jax.ffi.ffi_call(_TARGET, out)(x, packed)
+def _matmul(x: Float[Array, "M K"], packed: UInt16[Array, "N/16 K/32 P 16 16 2"]) -> Float[Array, "M N"]:
+    """float32 x -> float32 y; bfloat16 x (one-part weights) -> y rounded to bfloat16 by the kernel."""
+    out = jax.ShapeDtypeStruct((x.shape[0], packed.shape[0] * 16), x.dtype)
+    return jax.ffi.ffi_call(_TARGET_BF16 if x.dtype == jnp.bfloat16 else _TARGET, out)(x, packed)
 
 
 def _forward(x: Array, packed: Array) -> tuple[Array, Array]:
@@ -125,7 +126,8 @@ def _forward(x: Array, packed: Array) -> tuple[Array, Array]:
 
 
 def _backward(packed: Array, g: Array) -> tuple[Array, np.ndarray]:
-    return g @ unpack_kernel(packed).T, np.zeros(packed.shape, jax.dtypes.float0)  # packed: derived, no gradient
+    grad_x = (g @ unpack_kernel(packed).T).astype(g.dtype)
+    return grad_x, np.zeros(packed.shape, jax.dtypes.float0)  # packed: derived, no gradient
 
 
 _matmul.defvjp(_forward, _backward)
@@ -133,6 +135,8 @@ _matmul.defvjp(_forward, _backward)
 
 def amx_matmul(x: Float[Array, "... K"], packed: UInt16[Array, "N/16 K/32 P 16 16 2"]) -> Float[Array, "... N"]:
     """`x @ w` with `packed = pack_kernel(w)` (needs `load().available`); differentiable in x (XLA's dot).
-    With one part (a bfloat16 `w`), `x` must hold bfloat16 values; the result comes back in `x`'s dtype."""
-    y = _matmul(x.reshape(-1, x.shape[-1]).astype(jnp.float32), packed)
+    With one part (a bfloat16 `w`), `x` must hold bfloat16 values; the result comes back in `x`'s dtype
+    (a bfloat16 `x` goes in as it is and the kernel rounds y to bfloat16 as it stores it)."""
+    bf16_io = x.dtype == jnp.bfloat16 and packed.shape[2] == 1
+    y = _matmul(x.reshape(-1, x.shape[-1]).astype(jnp.bfloat16 if bf16_io else jnp.float32), packed)
     return y.reshape(*x.shape[:-1], y.shape[-1]).astype(x.dtype)

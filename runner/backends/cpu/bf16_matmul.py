@@ -29,10 +29,10 @@ from jaxtyping import Array, BFloat16, Float, UInt16
 from runner.backends.cpu.amx_matmul import unpack_kernel
 from runner.backends.cpu.kernel_build import KernelStatus, cpu_flags, load_kernel
 
-_TARGET = "jax_rollout_bf16_matmul"
-# More rows go to XLA's dot: at 256 rows (SmolLM2's layer shapes, 2-core Xeon) it beat the FMA variant
-# (166 vs 187 ms), at 64 it did not (55 vs 51).
-MAX_ROWS = 128
+_TARGET, _TARGET_BF16_OUT = "jax_rollout_bf16_matmul", "jax_rollout_bf16_matmul_bf16_out"
+# More rows go to XLA's dot: at 512 rows (SmolLM2's layer shapes, 2-core Xeon) it was 3% faster than the FMA
+# variant, at 256 even (170 vs 168 ms), at 64 slower (54 vs 44).
+MAX_ROWS = 256
 
 
 @functools.cache
@@ -40,7 +40,7 @@ def load() -> KernelStatus:
     """Build (once per machine) and register the kernel for this process."""
     if "avx512_bf16" not in cpu_flags():
         return KernelStatus(False, "the CPU has no AVX512_BF16")
-    status = load_kernel("bf16_matmul.cc", "JAX_ROLLOUT_BF16_MATMUL", {_TARGET: "Bf16Matmul"})
+    status = load_kernel("bf16_matmul.cc", "JAX_ROLLOUT_BF16_MATMUL", {_TARGET: "Bf16Matmul", _TARGET_BF16_OUT: "Bf16MatmulBf16Out"})
     if status.available and status.library and ctypes.CDLL(status.library).jax_rollout_bf16_matmul_built() != 0:
         return KernelStatus(False, "the C++ compiler did not target AVX512_BF16 (-march=native); XLA's dot is kept")
     return status
@@ -63,17 +63,18 @@ def prefers_dot() -> bool:
     return dot_speed() > 1.25
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _matmul(x: BFloat16[Array, "M K"], packed: UInt16[Array, "N/16 K/32 1 16 16 2"], dot: bool) -> Float[Array, "M N"]:
-    out = jax.ShapeDtypeStruct((x.shape[0], packed.shape[0] * 16), jnp.float32)
-    return jax.ffi.ffi_call(_TARGET, out)(x, packed, dot=dot)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _matmul(x: BFloat16[Array, "M K"], packed: UInt16[Array, "N/16 K/32 1 16 16 2"], dot: bool, bf16_out: bool
+            ) -> Float[Array, "M N"]:
+    out = jax.ShapeDtypeStruct((x.shape[0], packed.shape[0] * 16), jnp.bfloat16 if bf16_out else jnp.float32)
+    return jax.ffi.ffi_call(_TARGET_BF16_OUT if bf16_out else _TARGET, out)(x, packed, dot=dot)
 
 
-def _forward(x: Array, packed: Array, dot: bool) -> tuple[Array, Array]:
-    return _matmul(x, packed, dot), packed
+def _forward(x: Array, packed: Array, dot: bool, bf16_out: bool) -> tuple[Array, Array]:
+    return _matmul(x, packed, dot, bf16_out), packed
 
 
-def _backward(dot: bool, packed: Array, g: Array) -> tuple[Array, np.ndarray]:
+def _backward(dot: bool, bf16_out: bool, packed: Array, g: Array) -> tuple[Array, np.ndarray]:
     grad_x = (g @ unpack_kernel(packed).T).astype(jnp.bfloat16)
     return grad_x, np.zeros(packed.shape, jax.dtypes.float0)  # packed: derived, no gradient
 
@@ -85,6 +86,7 @@ def bf16_matmul(x: Float[Array, "... K"], packed: UInt16[Array, "N/16 K/32 1 16 
                 ) -> Float[Array, "... N"]:
     """`x @ w` with `packed = amx_matmul.pack_kernel(w)` of a bfloat16 `w` (needs `load().available`):
     `x` is rounded to bfloat16 (a bfloat16 model's activations already are); the float32 sums come back
-    in `x`'s dtype. `dot`: VDPBF16PS, else widened weights and FMAs. Differentiable in x (XLA's dot)."""
-    y = _matmul(x.reshape(-1, x.shape[-1]).astype(jnp.bfloat16), packed, dot)
+    in `x`'s dtype (for bfloat16 rounded by the kernel as it stores them). `dot`: VDPBF16PS, else widened
+    weights and FMAs. Differentiable in x (XLA's dot)."""
+    y = _matmul(x.reshape(-1, x.shape[-1]).astype(jnp.bfloat16), packed, dot, x.dtype == jnp.bfloat16)
     return y.reshape(*x.shape[:-1], y.shape[-1]).astype(x.dtype)

@@ -13,8 +13,11 @@
 //
 // Packed with one part (bfloat16 weights of a bfloat16 model, whose activations are bfloat16 values too),
 // y is the single product xh*wh: exact bfloat16 products summed in float32, a third of the weight bytes.
+// AmxMatmulBf16 takes such a model's bfloat16 x as it is and stores y rounded to bfloat16 (as XLA's
+// convert rounds), so no convert passes run around the call.
 //
-//   AmxMatmul: y[M, N] = x[M, K] @ w[K, N]   (w given packed with 3 or 1 parts; K % 32 == 0, N % 16 == 0, any M)
+//   AmxMatmul:     y[M, N] = x[M, K] @ w[K, N]   (w given packed with 3 or 1 parts; K % 32 == 0, N % 16 == 0, any M)
+//   AmxMatmulBf16: the same with x and y bfloat16 and w packed with 1 part
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -24,6 +27,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 
 #include "pool_items.h"
 #include "xla/ffi/api/ffi.h"
@@ -89,10 +93,34 @@ void split_rows(const float* x, int64_t M, int64_t K, int64_t r0, uint16_t* out,
   }
 }
 
+// bfloat16 x rows [r0, r0 + 64) in the same tile-contiguous layout (one part); rows past M are zero.
+void copy_rows(const uint16_t* x, int64_t M, int64_t K, int64_t r0, uint16_t* out) {
+  const int64_t kb_count = K / 32;
+  for (int64_t r = 0; r < kGroupRows; ++r) {
+    for (int64_t kb = 0; kb < kb_count; ++kb) {
+      uint16_t* dst = out + ((r / 16) * kb_count + kb) * kTileElems + (r % 16) * 32;
+      if (r0 + r >= M)
+        std::memset(dst, 0, 64);
+      else
+        std::memcpy(dst, x + (r0 + r) * K + kb * 32, 64);
+    }
+  }
+}
+
+// 16 float32 sums rounded to bfloat16 as XLA's convert does (to nearest, ties to even; NaN stays NaN).
+inline void round_to_bf16(const float* v16, uint16_t* y) {
+  const __m512 v = _mm512_loadu_ps(v16);
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), _mm512_cvtepi32_epi16(rounded));
+}
+
 // Output columns [16 nb, 16 nb + 16) of the row group whose split x is `xs`: C tiles 0..3 accumulate the
 // six products over every k block in order, then go to y (rows past M through a scratch tile).
-template <int Parts>
-void column_block(const uint16_t* xs, const uint16_t* wp, float* y, int64_t M, int64_t K, int64_t N,
+template <int Parts, class Out>
+void column_block(const uint16_t* xs, const uint16_t* wp, Out* y, int64_t M, int64_t K, int64_t N,
                   int64_t r0, int64_t nb) {
   const int64_t kb_count = K / 32, part_stride = int64_t{kGroupTiles} * kb_count * kTileElems;
   const int tiles = static_cast<int>(std::min<int64_t>(kGroupTiles, (M - r0 + 15) / 16));
@@ -140,7 +168,10 @@ void column_block(const uint16_t* xs, const uint16_t* wp, float* y, int64_t M, i
 #define JR_STORE(T)                                                                              \
   if (tiles > T) {                                                                               \
     const int64_t row = r0 + 16 * T, valid = std::min<int64_t>(16, M - row);                     \
-    if (valid == 16) {                                                                           \
+    if constexpr (std::is_same_v<Out, uint16_t>) {                                               \
+      _tile_stored(T, scratch, 64);                                                              \
+      for (int64_t i = 0; i < valid; ++i) round_to_bf16(scratch + i * 16, y + (row + i) * N + nb * 16); \
+    } else if (valid == 16) {                                                                    \
       _tile_stored(T, y + row * N + nb * 16, N * 4);                                             \
     } else {                                                                                     \
       _tile_stored(T, scratch, 64);                                                              \
@@ -158,8 +189,10 @@ struct AmxTiles {
 };
 #endif  // JAX_ROLLOUT_NO_AMX
 
-ffi::Error AmxMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> packed,
-                         ffi::ResultBuffer<ffi::F32> y) {
+// In = float (AmxMatmul: split into parts here) or uint16_t (AmxMatmulBf16: bfloat16 bits, one part);
+// Out the same way.
+template <class In, class Out, class XBuffer, class YBuffer>
+ffi::Error AmxMatmulImpl(ffi::ThreadPool pool, XBuffer x, ffi::Buffer<ffi::U16> packed, YBuffer y) {
 #ifdef JAX_ROLLOUT_NO_AMX
   return ffi::Error::Internal("amx_matmul: built without AMX");
 #else
@@ -171,15 +204,19 @@ ffi::Error AmxMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   const int64_t M = xd[0], K = xd[1], N = yd[1];
   const int parts = static_cast<int>(pd[2]);
   if (pd[0] * 16 != N || pd[1] * 32 != K || (parts != 3 && parts != 1) || pd[3] != 16 || pd[4] != 16 || pd[5] != 2 ||
-      yd[0] != M)
+      yd[0] != M || (std::is_same_v<In, uint16_t> && parts != 1))
     return ffi::Error::InvalidArgument("amx_matmul: packed weights do not match x [M, K] and y [M, N]");
   if (M == 0) return ffi::Error::Success();
   const int64_t groups = (M + kGroupRows - 1) / kGroupRows;
   const int64_t group_elems = parts * int64_t{kGroupTiles} * (K / 32) * kTileElems;
   const size_t bytes = (groups * group_elems * sizeof(uint16_t) + 63) / 64 * 64;
   std::unique_ptr<uint16_t, decltype(&std::free)> xs(static_cast<uint16_t*>(std::aligned_alloc(64, bytes)), &std::free);
-  for (int64_t g = 0; g < groups; ++g)
-    split_rows(x.typed_data(), M, K, g * kGroupRows, xs.get() + g * group_elems, parts);
+  for (int64_t g = 0; g < groups; ++g) {
+    if constexpr (std::is_same_v<In, uint16_t>)
+      copy_rows(reinterpret_cast<const uint16_t*>(x.typed_data()), M, K, g * kGroupRows, xs.get() + g * group_elems);
+    else
+      split_rows(x.typed_data(), M, K, g * kGroupRows, xs.get() + g * group_elems, parts);
+  }
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t num_blocks = N / 16;
   const int64_t per_group = std::max<int64_t>(1, 2 * threads / groups);  // ~2 items per thread in all
@@ -187,19 +224,29 @@ ffi::Error AmxMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   const int64_t chunks_per_group = (num_blocks + chunk - 1) / chunk;
   const uint16_t* xsp = xs.get();
   const uint16_t* wp = packed.typed_data();
-  float* yp = y->typed_data();
+  Out* yp = reinterpret_cast<Out*>(y->typed_data());
   // items (row group, chunk of column blocks) over the pool (pool_items.h)
   jax_rollout::run_items<AmxTiles>(pool, groups * chunks_per_group, threads, [=](int64_t i) {
     const int64_t g = i / chunks_per_group, c = i % chunks_per_group;
     for (int64_t nb = c * chunk; nb < std::min(num_blocks, (c + 1) * chunk); ++nb) {
       if (parts == 1)
-        column_block<1>(xsp + g * group_elems, wp, yp, M, K, N, g * kGroupRows, nb);
+        column_block<1, Out>(xsp + g * group_elems, wp, yp, M, K, N, g * kGroupRows, nb);
       else
-        column_block<3>(xsp + g * group_elems, wp, yp, M, K, N, g * kGroupRows, nb);
+        column_block<3, Out>(xsp + g * group_elems, wp, yp, M, K, N, g * kGroupRows, nb);
     }
   });
   return ffi::Error::Success();
 #endif
+}
+
+ffi::Error AmxMatmulF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> packed,
+                        ffi::ResultBuffer<ffi::F32> y) {
+  return AmxMatmulImpl<float, float>(pool, x, packed, y);
+}
+
+ffi::Error AmxMatmulBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U16> packed,
+                             ffi::ResultBuffer<ffi::BF16> y) {
+  return AmxMatmulImpl<uint16_t, uint16_t>(pool, x, packed, y);
 }
 
 }  // namespace
@@ -215,6 +262,9 @@ extern "C" int jax_rollout_amx_enable() {
 #endif
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(AmxMatmul, AmxMatmulImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AmxMatmul, AmxMatmulF32,
                               ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U16>>().Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AmxMatmulBf16, AmxMatmulBf16Impl,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::U16>>().Ret<ffi::Buffer<ffi::BF16>>());

@@ -18,8 +18,10 @@
 // first rows and from L2 for the next ones. Each output is summed over k in one fixed order whatever M,
 // so a row's result does not depend on the other rows of the step.
 //
-//   Bf16Matmul: y[M, N] = x[M, K] @ w[K, N]   (x bfloat16, y float32; K % 32 == 0, N % 16 == 0, any M;
-//               attribute dot: VDPBF16PS, else widened weights and FMAs)
+//   Bf16Matmul:        y[M, N] = x[M, K] @ w[K, N]   (x bfloat16, y float32; K % 32 == 0, N % 16 == 0, any M;
+//                      attribute dot: VDPBF16PS, else widened weights and FMAs)
+//   Bf16MatmulBf16Out: the same, y rounded to bfloat16 as it is stored (a bfloat16 model's layers: no
+//                      separate convert pass over y)
 #include <immintrin.h>
 
 #include <algorithm>
@@ -45,9 +47,20 @@ constexpr int kCols = 4;         // 16-column tiles per register block and per w
 constexpr int kTileElems = 512;  // packed bfloat16 values per (column tile, k block of 32)
 
 #ifndef JAX_ROLLOUT_NO_AVX512_BF16
+inline void store16(float* y, __m512 v) { _mm512_storeu_ps(y, v); }
+
+// 16 float32 sums rounded to bfloat16 as XLA's convert does (to nearest, ties to even; NaN stays NaN).
+inline void store16(uint16_t* y, __m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), _mm512_cvtepi32_epi16(rounded));
+}
+
 // Rows [r0, r0 + R) x column tiles [nb0, nb0 + C) of y, summed over every k block in order.
-template <int R, int C>
-void block(const uint32_t* x_pairs, const uint16_t* wp, float* y, int64_t K, int64_t N, int64_t r0, int64_t nb0) {
+template <int R, int C, class Out>
+void block(const uint32_t* x_pairs, const uint16_t* wp, Out* y, int64_t K, int64_t N, int64_t r0, int64_t nb0) {
   const int64_t kb_count = K / 32, pairs_per_row = K / 2;
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
@@ -66,13 +79,13 @@ void block(const uint32_t* x_pairs, const uint16_t* wp, float* y, int64_t K, int
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(y + (r0 + r) * N + (nb0 + c) * 16, acc[r][c]);
+    for (int c = 0; c < C; ++c) store16(y + (r0 + r) * N + (nb0 + c) * 16, acc[r][c]);
 }
 
 // The same block from float32 copies of x's rows (`xf`, [M, K]) and weights widened in registers: per k
 // pair, acc += x[2i + 1] w[2i + 1] then acc += x[2i] w[2i], each an FMA of an exact product.
-template <int R, int C>
-void block_fma(const float* xf, const uint16_t* wp, float* y, int64_t K, int64_t N, int64_t r0, int64_t nb0) {
+template <int R, int C, class Out>
+void block_fma(const float* xf, const uint16_t* wp, Out* y, int64_t K, int64_t N, int64_t r0, int64_t nb0) {
   const int64_t kb_count = K / 32;
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   __m512 acc[R][C];
@@ -96,12 +109,13 @@ void block_fma(const float* xf, const uint16_t* wp, float* y, int64_t K, int64_t
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(y + (r0 + r) * N + (nb0 + c) * 16, acc[r][c]);
+    for (int c = 0; c < C; ++c) store16(y + (r0 + r) * N + (nb0 + c) * 16, acc[r][c]);
 }
 
-// Every row of y's column tiles [nb0, nb0 + C): register blocks of kRows rows, then the remainder.
-template <bool Dot, int C>
-void column_group(const void* xs, const uint16_t* wp, float* y, int64_t M, int64_t K, int64_t N, int64_t nb0) {
+// Rows [row_begin, row_end) of y's column tiles [nb0, nb0 + C): register blocks of kRows rows, then the rest.
+template <bool Dot, int C, class Out>
+void column_group(const void* xs, const uint16_t* wp, Out* y, int64_t row_begin, int64_t row_end, int64_t K,
+                  int64_t N, int64_t nb0) {
   auto run = [&](auto rows, int64_t r0) {
     constexpr int R = decltype(rows)::value;
     if constexpr (Dot)
@@ -109,9 +123,9 @@ void column_group(const void* xs, const uint16_t* wp, float* y, int64_t M, int64
     else
       block_fma<R, C>(static_cast<const float*>(xs), wp, y, K, N, r0, nb0);
   };
-  int64_t r0 = 0;
-  for (; r0 + kRows <= M; r0 += kRows) run(std::integral_constant<int, kRows>{}, r0);
-  switch (M - r0) {
+  int64_t r0 = row_begin;
+  for (; r0 + kRows <= row_end; r0 += kRows) run(std::integral_constant<int, kRows>{}, r0);
+  switch (row_end - r0) {
     case 5: run(std::integral_constant<int, 5>{}, r0); break;
     case 4: run(std::integral_constant<int, 4>{}, r0); break;
     case 3: run(std::integral_constant<int, 3>{}, r0); break;
@@ -121,20 +135,22 @@ void column_group(const void* xs, const uint16_t* wp, float* y, int64_t M, int64
   }
 }
 
-template <bool Dot>
-void column_group_of(int64_t tiles, const void* xs, const uint16_t* wp, float* y, int64_t M, int64_t K, int64_t N,
-                     int64_t nb0) {
+template <bool Dot, class Out>
+void column_group_of(int64_t tiles, const void* xs, const uint16_t* wp, Out* y, int64_t row_begin, int64_t row_end,
+                     int64_t K, int64_t N, int64_t nb0) {
   switch (tiles) {
-    case 4: column_group<Dot, 4>(xs, wp, y, M, K, N, nb0); break;
-    case 3: column_group<Dot, 3>(xs, wp, y, M, K, N, nb0); break;
-    case 2: column_group<Dot, 2>(xs, wp, y, M, K, N, nb0); break;
-    default: column_group<Dot, 1>(xs, wp, y, M, K, N, nb0); break;
+    case 4: column_group<Dot, 4>(xs, wp, y, row_begin, row_end, K, N, nb0); break;
+    case 3: column_group<Dot, 3>(xs, wp, y, row_begin, row_end, K, N, nb0); break;
+    case 2: column_group<Dot, 2>(xs, wp, y, row_begin, row_end, K, N, nb0); break;
+    default: column_group<Dot, 1>(xs, wp, y, row_begin, row_end, K, N, nb0); break;
   }
 }
 #endif  // JAX_ROLLOUT_NO_AVX512_BF16
 
-ffi::Error Bf16MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U16> packed,
-                          ffi::ResultBuffer<ffi::F32> y, bool dot) {
+// y = x @ w with y float32 (Out = float) or rounded to bfloat16 (Out = uint16_t).
+template <class Out, class YBuffer>
+ffi::Error Bf16MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U16> packed, YBuffer y,
+                          bool dot) {
 #ifdef JAX_ROLLOUT_NO_AVX512_BF16
   return ffi::Error::Internal("bf16_matmul: built without AVX512_BF16");
 #else
@@ -156,18 +172,36 @@ ffi::Error Bf16MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::B
   }
   const void* xs = dot ? static_cast<const void*>(xb) : static_cast<const void*>(widened.get());
   const uint16_t* wp = packed.typed_data();
-  float* yp = y->typed_data();
+  Out* yp = reinterpret_cast<Out*>(y->typed_data());
   const int64_t num_tiles = N / 16, num_groups = (num_tiles + kCols - 1) / kCols;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  jax_rollout::run_items(pool, num_groups, threads, [=](int64_t g) {
+  // Few column groups (a k/v projection has 3) leave threads idle: split the rows too, in whole register
+  // blocks, until there are ~4 items per thread (each row chunk reads the group's weights once more).
+  const int64_t row_blocks = (M + kRows - 1) / kRows;
+  const int64_t row_chunks = std::clamp<int64_t>((4 * threads + num_groups - 1) / num_groups, 1, row_blocks / 2 + 1);
+  const int64_t chunk_rows = (row_blocks + row_chunks - 1) / row_chunks * kRows;
+  const int64_t num_chunks = (M + chunk_rows - 1) / chunk_rows;
+  jax_rollout::run_items(pool, num_groups * num_chunks, threads, [=](int64_t item) {
+    const int64_t g = item / num_chunks, row_begin = item % num_chunks * chunk_rows;
+    const int64_t row_end = std::min(M, row_begin + chunk_rows);
     const int64_t nb0 = g * kCols, tiles = std::min<int64_t>(kCols, num_tiles - nb0);
     if (dot)
-      column_group_of<true>(tiles, xs, wp, yp, M, K, N, nb0);
+      column_group_of<true>(tiles, xs, wp, yp, row_begin, row_end, K, N, nb0);
     else
-      column_group_of<false>(tiles, xs, wp, yp, M, K, N, nb0);
+      column_group_of<false>(tiles, xs, wp, yp, row_begin, row_end, K, N, nb0);
   });
   return ffi::Error::Success();
 #endif
+}
+
+ffi::Error Bf16MatmulF32(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U16> packed,
+                         ffi::ResultBuffer<ffi::F32> y, bool dot) {
+  return Bf16MatmulImpl<float>(pool, x, packed, y, dot);
+}
+
+ffi::Error Bf16MatmulBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U16> packed,
+                          ffi::ResultBuffer<ffi::BF16> y, bool dot) {
+  return Bf16MatmulImpl<uint16_t>(pool, x, packed, y, dot);
 }
 
 }  // namespace
@@ -217,6 +251,9 @@ extern "C" double jax_rollout_bf16_dot_speed() {
 #endif
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Bf16Matmul, Bf16MatmulImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Bf16Matmul, Bf16MatmulF32,
                               ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::U16>>().Ret<ffi::Buffer<ffi::F32>>().Attr<bool>("dot"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Bf16MatmulBf16Out, Bf16MatmulBf16,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::U16>>().Ret<ffi::Buffer<ffi::BF16>>().Attr<bool>("dot"));
