@@ -50,9 +50,10 @@ class EngineConfig:
     # "tpu": the KV cache in the layout of JAX's TPU `ragged_paged_attention`, every step through that
     # kernel on a TPU and through the pure-JAX reference of that layout elsewhere (docs/tpu.md).
     attention_backend: str = "auto"
-    # CPU backend: the few-row matmul kernel, AMX tiles where the CPU has them, and from how many rows
-    # AMX takes layer matmuls the row kernel could (the environment switches JAX_ROLLOUT_ROW_KERNEL=0,
-    # JAX_ROLLOUT_AMX=0 and JAX_ROLLOUT_AMX_FROM_ROWS override these when the engine is built)
+    # CPU backend: the few-row matmul kernel, AMX tiles where the CPU has them (off: a bfloat16 model's
+    # matmuls go to the AVX512_BF16 kernel where the CPU has that), and from how many rows AMX takes layer
+    # matmuls the row kernel could (the environment switches JAX_ROLLOUT_ROW_KERNEL=0, JAX_ROLLOUT_AMX=0
+    # and JAX_ROLLOUT_AMX_FROM_ROWS override these when the engine is built)
     cpu_row_kernel: bool = True
     cpu_amx: bool = True
     cpu_amx_from_rows: int = 25

@@ -11,7 +11,7 @@
 Each runs only where it builds and helps (AVX-512, float32, one device); otherwise XLA's dot or the
 pure-JAX attention runs, and `status()` says why. Options come from `EngineConfig`
 (`cpu_row_kernel`, `cpu_amx`, `cpu_amx_from_rows`, `attention_backend`); the environment switches
-`JAX_ROLLOUT_ROW_KERNEL=0`, `JAX_ROLLOUT_AMX=0`, `JAX_ROLLOUT_CPU_ATTENTION=0` and
+`JAX_ROLLOUT_ROW_KERNEL=0`, `JAX_ROLLOUT_AMX=0`, `JAX_ROLLOUT_BF16_MATMUL=0`, `JAX_ROLLOUT_CPU_ATTENTION=0` and
 `JAX_ROLLOUT_AMX_FROM_ROWS` override them, read when the backend is built.
 """
 
