@@ -33,6 +33,22 @@ def test_argmax_last_matches_numpy_first_maximum(vocab: int) -> None:
     assert int(blk.argmax_last(jnp.asarray(big[3]))) == int(big[3].argmax())  # one row, no batch axis
 
 
+def test_first_argmax_keeps_argmax_rules() -> None:
+    """The two-reduction argmax of the draw's winning block: first index of the maximum, the first NaN
+    where there is one, index 0 for a row of -inf; jitted as the sampler runs it."""
+    rng = np.random.default_rng(7)
+    x = rng.integers(-3, 3, size=(300, 128)).astype(np.float32)
+    x[0] = -np.inf
+    x[1, [5, 90]] = np.nan
+    x[2, -1] = 10.0
+    x[3] = 2.0
+    x[4, [3, 64]] = -np.nan  # a NaN with its sign bit set
+    got = np.asarray(jax.jit(blk.first_argmax)(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+    noisy = rng.normal(size=(64, 128)).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(jax.jit(blk.first_argmax)(jnp.asarray(noisy))), noisy.argmax(-1))
+
+
 @pytest.mark.parametrize("vocab", [1000, 129, 100])
 def test_argmax_last_with_suppressed_ids_matches_numpy(vocab: int) -> None:
     """Suppressed ids (several in one block, at the maximum, out of range, -1, repeated) are -inf;

@@ -14,6 +14,8 @@
 // Two cache types: float32 (`PagedAttention`) and bfloat16 stored as its uint16 bits (`PagedAttentionBf16`,
 // the CPU backend's bfloat16 cache): each K/V element widens exactly to float32 as it is loaded (its bits
 // shifted up 16), so a bfloat16 cache costs half the memory traffic and the same float32 arithmetic.
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cfloat>
 #include <cstdint>
@@ -42,8 +44,8 @@ constexpr int64_t kSerialRowKeys = 1 << 12;  // below this many (query row x key
 inline v16 load(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
 inline void store(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
 inline v16 splat(float x) { return v16{} + x; }
-inline v16 load_tail(const float* p, int64_t n) {  // n < 16 floats, the rest zero
-  v16 v = {}; std::memcpy(&v, p, n * sizeof(float)); return v;
+inline v16 load_tail(const float* p, int64_t n) {  // n < 16 floats, the rest zero (a masked load, no memcpy call)
+  return reinterpret_cast<v16>(_mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p));
 }
 
 typedef uint16_t h16 __attribute__((vector_size(32)));
@@ -53,7 +55,7 @@ inline v16 widen(h16 h) {  // bfloat16 bits -> float32, exactly
 }
 inline v16 load(const uint16_t* p) { h16 h; std::memcpy(&h, p, sizeof h); return widen(h); }
 inline v16 load_tail(const uint16_t* p, int64_t n) {
-  h16 h = {}; std::memcpy(&h, p, n * sizeof(uint16_t)); return widen(h);
+  return widen(reinterpret_cast<h16>(_mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p)));
 }
 
 inline float hsum(v16 v) {  // a fixed tree: 16 -> 8 -> 4 -> 1
@@ -160,15 +162,19 @@ void attend(const Problem<KV>& pb, int64_t s, int64_t h) {
   const KV* k_head = pb.kv + h * pb.total_pages * page_floats;
   const KV* v_head = pb.kv + (pb.num_kv_heads + h) * pb.total_pages * page_floats;
   const int32_t* table = pb.pages + s * pb.table_width;
-  // The keys of the tile at t0 (those past the context read a clipped page and are masked).
+  // The keys of the tile at t0 (those past the context read the last key's slot and are masked): one
+  // division per tile, then the slot steps along (divisions per key cost more than a small head's math).
   auto locate = [&](int64_t t0, const KV** keys, const KV** values) {
+    int64_t key = std::min(t0, kv_len - 1), col = key / pb.page_size, slot = key % pb.page_size;
     for (int t = 0; t < kTile; ++t) {
-      const int64_t key = std::min(t0 + t, kv_len - 1);
-      const int64_t col = std::min(key / pb.page_size, pb.table_width - 1);
-      const int64_t page = std::clamp<int64_t>(table[col], 0, pb.total_pages - 1);
-      const int64_t offset = page * page_floats + (key % pb.page_size) * D;
+      const int64_t page = std::clamp<int64_t>(table[std::min(col, pb.table_width - 1)], 0, pb.total_pages - 1);
+      const int64_t offset = page * page_floats + slot * D;
       keys[t] = k_head + offset;
       values[t] = v_head + offset;
+      if (key + 1 < kv_len) {
+        ++key;
+        if (++slot == pb.page_size) slot = 0, ++col;
+      }
     }
   };
   const KV* keys[2][kTile];  // this tile's and the next one's, alternating
