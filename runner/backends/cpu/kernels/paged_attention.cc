@@ -66,11 +66,7 @@ inline float hsum(v16 v) {  // a fixed tree: 16 -> 8 -> 4 -> 1
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-inline float hmax(v16 v) {
-  float m = v[0];
-  for (int i = 1; i < 16; ++i) m = std::max(m, v[i]);
-  return m;
-}
+inline float hmax(v16 v) { return _mm512_reduce_max_ps(reinterpret_cast<__m512>(v)); }  // a shuffle tree
 
 // Lane t of the result = the sum of the lanes of p[t] (16 horizontal sums at once, a fixed tree).
 inline v16 reduce16(const v16* p) {
@@ -213,9 +209,18 @@ void attend(const Problem<KV>& pb, int64_t s, int64_t h) {
       l[r] = l[r] * alpha + hsum(load(p));
       m[r] = m_new;
       v16* ar = &acc[r * DV];
-      for (int u = 0; u < DV; ++u) ar[u] *= alpha;
-      for (int t = 0; t < valid; ++t)
-        for (int u = 0; u < DV; ++u) ar[u] += p[t] * ld(value_at[t], u);
+      // p . V in two interleaved partial sums (two dependency chains), then into the rescaled accumulator
+      v16 even[DV], odd[DV];
+      for (int u = 0; u < DV; ++u) even[u] = odd[u] = v16{};
+      int t = 0;
+      for (; t + 1 < valid; t += 2)
+        for (int u = 0; u < DV; ++u) {
+          even[u] += p[t] * ld(value_at[t], u);
+          odd[u] += p[t + 1] * ld(value_at[t + 1], u);
+        }
+      if (t < valid)
+        for (int u = 0; u < DV; ++u) even[u] += p[t] * ld(value_at[t], u);
+      for (int u = 0; u < DV; ++u) ar[u] = ar[u] * alpha + (even[u] + odd[u]);
     }
   }
   for (int64_t i = 0; i < q_len; ++i)
