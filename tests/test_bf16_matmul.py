@@ -19,7 +19,8 @@ from rollout.sampling_params import SamplingParams
 from runner.backends.cpu import bf16_matmul as bf16
 from runner.backends.cpu.amx_matmul import pack_kernel
 from runner.models.config import ModelConfig
-from runner.models.llama import Linear, LlamaForCausalLM, embedding_rows, packed_embedding_rows
+from runner.models.embedding import embedding_rows, packed_embedding_rows
+from runner.models.llama import Linear, LlamaForCausalLM
 from tests.test_engine import ByteTokenizer
 
 needs_kernel = pytest.mark.skipif(not bf16.load().available, reason=f"kernel unavailable: {bf16.load().reason}")
@@ -124,6 +125,29 @@ def test_a_bfloat16_engine_without_amx_uses_the_kernel() -> None:
     for a, b in zip(cpu.generate(prompts, sp), ref.generate(prompts, sp)):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         np.testing.assert_allclose(a.outputs[0].logprobs.values, b.outputs[0].logprobs.values, atol=5e-2)
+
+
+@needs_kernel
+def test_a_bfloat16_engine_without_amx_repacks_after_sync_weights() -> None:
+    """The kernel and the embedding gather read packed copies: after `sync_weights` they hold the new
+    policy, i.e. the engine's outputs equal those of an engine built from the new weights, bit for bit."""
+    cfg = ModelConfig(family="llama", vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+                      max_position_embeddings=128, dtype="bfloat16", param_dtype="bfloat16")
+    kw = dict(max_num_seqs=8, max_model_len=64, max_num_batched_tokens=64, cpu_amx=False)
+    old, new = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0)), LlamaForCausalLM(cfg, rngs=nnx.Rngs(1))
+    engine = Engine.from_model(old, ByteTokenizer(), **kw)
+    assert engine.runner.model.packed_head is not None  # the embedding rows come from it
+    prompts = [[5, 9, 33, 2, 71], [8] * 12, [40, 41, 42]]
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+    before = engine.generate(prompts, sp)
+    engine.sync_weights(nnx.state(new, nnx.Param))
+    after = engine.generate(prompts, sp)
+    fresh = Engine.from_model(new, ByteTokenizer(), **kw).generate(prompts, sp)
+    assert [o.outputs[0].token_ids for o in after] == [o.outputs[0].token_ids for o in fresh]
+    for a, f, b in zip(after, fresh, before):
+        np.testing.assert_array_equal(a.outputs[0].logprobs.values, f.outputs[0].logprobs.values)
+        assert not np.array_equal(a.outputs[0].logprobs.values, b.outputs[0].logprobs.values)
 
 
 def test_bfloat16_embedding_rows_are_the_gather_with_its_gradient() -> None:

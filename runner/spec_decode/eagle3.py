@@ -32,7 +32,7 @@ from jaxtyping import Array, Float, Int
 from runner.attention import MASK_VALUE, AttentionMetadata, paged_attention, paged_slots, write_kv
 from runner.models.config import ModelConfig, RopeScaling
 from runner.models.family import DraftTarget
-from runner.models.llama import embedding_rows
+from runner.models.embedding import embedding_rows
 from runner.models.llama import MLP, Linear, RMSNorm, apply_rope, rope_inv_freq
 from runner.sampler_blocks import argmax_last
 

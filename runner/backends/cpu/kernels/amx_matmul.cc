@@ -29,6 +29,7 @@
 #include <memory>
 #include <type_traits>
 
+#include "bf16_round.h"
 #include "pool_items.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -107,16 +108,6 @@ void copy_rows(const uint16_t* x, int64_t M, int64_t K, int64_t r0, uint16_t* ou
   }
 }
 
-// 16 float32 sums rounded to bfloat16 as XLA's convert does (to nearest, ties to even; NaN stays NaN).
-inline void round_to_bf16(const float* v16, uint16_t* y) {
-  const __m512 v = _mm512_loadu_ps(v16);
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
-  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), _mm512_cvtepi32_epi16(rounded));
-}
-
 // Output columns [16 nb, 16 nb + 16) of the row group whose split x is `xs`: C tiles 0..3 accumulate the
 // six products over every k block in order, then go to y (rows past M through a scratch tile).
 template <int Parts, class Out>
@@ -170,7 +161,7 @@ void column_block(const uint16_t* xs, const uint16_t* wp, Out* y, int64_t M, int
     const int64_t row = r0 + 16 * T, valid = std::min<int64_t>(16, M - row);                     \
     if constexpr (std::is_same_v<Out, uint16_t>) {                                               \
       _tile_stored(T, scratch, 64);                                                              \
-      for (int64_t i = 0; i < valid; ++i) round_to_bf16(scratch + i * 16, y + (row + i) * N + nb * 16); \
+      for (int64_t i = 0; i < valid; ++i) jax_rollout::store_bf16_rounded(y + (row + i) * N + nb * 16, _mm512_loadu_ps(scratch + i * 16)); \
     } else if (valid == 16) {                                                                    \
       _tile_stored(T, y + row * N + nb * 16, N * 4);                                             \
     } else {                                                                                     \

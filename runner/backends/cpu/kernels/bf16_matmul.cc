@@ -31,6 +31,7 @@
 #include <memory>
 #include <type_traits>
 
+#include "bf16_round.h"
 #include "pool_items.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -49,14 +50,7 @@ constexpr int kTileElems = 512;  // packed bfloat16 values per (column tile, k b
 #ifndef JAX_ROLLOUT_NO_AVX512_BF16
 inline void store16(float* y, __m512 v) { _mm512_storeu_ps(y, v); }
 
-// 16 float32 sums rounded to bfloat16 as XLA's convert does (to nearest, ties to even; NaN stays NaN).
-inline void store16(uint16_t* y, __m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
-  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), _mm512_cvtepi32_epi16(rounded));
-}
+inline void store16(uint16_t* y, __m512 v) { jax_rollout::store_bf16_rounded(y, v); }
 
 // Rows [r0, r0 + R) x column tiles [nb0, nb0 + C) of y, summed over every k block in order.
 template <int R, int C, class Out>
