@@ -36,7 +36,8 @@ from runner.backends.cpu.row_matmul import MAX_ROWS, MAX_ROWS_NT, load as load_r
 @dataclasses.dataclass(frozen=True)
 class CpuMatmul:
     """`x @ w` (`transposed`: `x @ w.T`): AMX where a packed weight exists and `amx.takes` the rows,
-    the row kernel up to `row_max_rows` rows, XLA's dot otherwise."""
+    the row kernel up to `row_max_rows` rows, XLA's dot otherwise; a bfloat16 model's packed weights on
+    AMX at every row count, or on the AVX512_BF16 kernel up to `bf16_matmul.MAX_ROWS` rows."""
 
     row_max_rows: int
     amx_from_rows: int = amx.DEFAULT_FROM_ROWS

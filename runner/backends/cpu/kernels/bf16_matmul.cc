@@ -27,9 +27,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
-#include <cstdlib>
-#include <memory>
 #include <type_traits>
+#include <vector>
 
 #include "bf16_round.h"
 #include "pool_items.h"
@@ -158,13 +157,14 @@ ffi::Error Bf16MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::B
     return ffi::Error::InvalidArgument("bf16_matmul: packed weights do not match x [M, K] and y [M, N]");
   if (M == 0) return ffi::Error::Success();
   const auto* xb = reinterpret_cast<const uint16_t*>(x.typed_data());
-  std::unique_ptr<float, decltype(&std::free)> widened(nullptr, &std::free);
-  if (!dot) {  // x's rows as float32 (exact), broadcast from memory by the FMA blocks
-    widened.reset(static_cast<float*>(std::aligned_alloc(64, (M * K * sizeof(float) + 63) / 64 * 64)));
-    auto* bits = reinterpret_cast<uint32_t*>(widened.get());
-    for (int64_t i = 0; i < M * K; ++i) bits[i] = uint32_t{xb[i]} << 16;
+  // The FMA blocks broadcast x's values as float32 (exact) from a per-thread buffer kept across calls:
+  // allocated per call it was an mmap and fresh page faults for every matmul of a step.
+  thread_local std::vector<uint32_t> widened;
+  if (!dot) {
+    widened.resize(std::max<size_t>(widened.size(), static_cast<size_t>(M * K)));
+    for (int64_t i = 0; i < M * K; ++i) widened[i] = uint32_t{xb[i]} << 16;
   }
-  const void* xs = dot ? static_cast<const void*>(xb) : static_cast<const void*>(widened.get());
+  const void* xs = dot ? static_cast<const void*>(xb) : static_cast<const void*>(widened.data());
   const uint16_t* wp = packed.typed_data();
   Out* yp = reinterpret_cast<Out*>(y->typed_data());
   const int64_t num_tiles = N / 16, num_groups = (num_tiles + kCols - 1) / kCols;
