@@ -64,7 +64,7 @@ class Engine(EngineCore):
         backend = select_backend(config.backend, device_mesh, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
                                  cache_dtype=kv_spec.dtype, attention_backend=config.attention_backend,
                                  cpu_row_kernel=config.cpu_row_kernel, cpu_amx=config.cpu_amx,
-                                 cpu_amx_from_rows=config.cpu_amx_from_rows)
+                                 cpu_amx_from_rows=config.cpu_amx_from_rows, batch_invariant=config.batch_invariant)
         min_seqs, min_tokens = backend.min_buckets  # the smallest padded shapes worth compiling (TPU: its tile)
         buckets = BucketConfig(config.max_num_seqs, config.max_num_batched_tokens, max_pages,
                                min_seqs=min_seqs, min_tokens=min(min_tokens, config.max_num_batched_tokens),
@@ -206,7 +206,7 @@ class Engine(EngineCore):
             prefix_cache_queried_tokens=self.block_manager.num_cache_queried_tokens,
             num_compilations=num_compilations() - self._compiles_at_start,
             backend=backend.name, cpu_row_kernel=backend.matmul, cpu_amx=backend.amx, attention_impl=backend.attention,
-            cpu_bf16_matmul=backend.bf16_matmul,
+            cpu_bf16_matmul=backend.bf16_matmul, batch_invariant=backend.batch_invariant,
             speculative=dataclasses.replace(self.speculator.stats) if self.speculator is not None else None)
 
 

@@ -57,6 +57,12 @@ class EngineConfig:
     cpu_row_kernel: bool = True
     cpu_amx: bool = True
     cpu_amx_from_rows: int = 25
+    # Batch-invariant mode (RL fidelity): a request's raw logprobs (and so its greedy or seeded tokens) are
+    # bitwise the same whatever shares its batch, however its prompt is chunked, whether its prefix came
+    # from the cache, after preemption, with or without speculation: every matmul on one kernel at every row
+    # count, the C++ attention for every step, fixed-order norms (`runner.backends.cpu.backend`). The CPU
+    # backend on one device, dense models without sliding windows or attention soft-caps.
+    batch_invariant: bool = False
     # Multi-step decode (vLLM's name): up to this many decode steps per device call, the sampled
     # tokens fed back on the device; the host sees the batch (stops, new requests) once per call.
     # None: DEFAULT_SCHEDULER_STEPS. With drafting, decode steps that do not draft (auto-disable, no
@@ -97,7 +103,7 @@ class EngineConfig:
             raise ValueError(f"speculative k must be <= 7 (a verification row holds 8 tokens), got {self.speculative.k}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        for name in ("cpu_row_kernel", "cpu_amx", "async_scheduling", "enable_prefix_caching"):
+        for name in ("cpu_row_kernel", "cpu_amx", "async_scheduling", "enable_prefix_caching", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.cpu_amx_from_rows, int) or self.cpu_amx_from_rows < 1:
@@ -163,6 +169,7 @@ class EngineStats:
     cpu_amx: str = ""
     cpu_bf16_matmul: str = ""  # a bfloat16 model's matmuls: "ok: AMX tiles" / "ok: AVX512_BF16 ..." or why XLA's dot
     attention_impl: str = ""  # the attention kernel of decode / verification steps (runner.attention.ATTENTION_IMPLS)
+    batch_invariant: str = ""  # "on: ..." (which kernels sum each row alike) or "off" (`EngineConfig.batch_invariant`)
 
     @property
     def generated_tokens_per_second(self) -> float:

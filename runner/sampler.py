@@ -52,6 +52,7 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
+from runner import row_sum
 from runner.logits_processors import apply_processors
 from runner.sampler_blocks import (Suppressed, argmax_blocks, argmax_last, block_view, draw, race_from_blocks, row_bits,
                                    row_keys, suppress)
@@ -185,7 +186,7 @@ def _verify_drafts(processed: Float[Array, "S V"], inputs: SamplingInputs) -> In
 def _token_logprob(logits: Float[Array, "S V"], token_ids: Int[Array, "S"]) -> Float[Array, "S"]:
     """log_softmax(logits)[row, token] without materializing the full log_softmax."""
     picked = jnp.take_along_axis(logits, token_ids[:, None], axis=1)[:, 0]
-    return picked - jax.nn.logsumexp(logits, axis=1)
+    return picked - row_sum.logsumexp(logits)
 
 
 @functools.partial(jax.jit, static_argnames=("mode", "num_top_logprobs", "num_candidates", "num_kept"))
@@ -276,11 +277,11 @@ def _sample(raw: Float[Array, "S V"], base: Float[Array, "S V"], inputs: Samplin
         picked = jnp.take_along_axis(chosen, token_ids[:, None], axis=1)[:, 0]
         # the sampled token's logprob by one formula with or without alternatives: a row's bits do not
         # depend on whether another row of the step asked for top logprobs
-        return chosen, picked, picked - jax.nn.logsumexp(chosen, axis=1), _rank(chosen, picked)
+        return chosen, picked, picked - row_sum.logsumexp(chosen), _rank(chosen, picked)
 
     if num_top_logprobs > 0:
         chosen, picked, token_logprobs, ranks = chosen_values()
-        top_logprobs, top_ids = lax.top_k(jax.nn.log_softmax(chosen, axis=1), min(num_top_logprobs, vocab))
+        top_logprobs, top_ids = lax.top_k(row_sum.log_softmax(chosen), min(num_top_logprobs, vocab))
         top_ids = top_ids.astype(jnp.int32)
         if inputs.as_logits is not None:
             logits_rows = inputs.as_logits[:, None]

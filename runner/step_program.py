@@ -19,6 +19,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jaxtyping import Array, Float, Int
 
+from runner import row_sum
 from runner.attention import AttentionMetadata, cache_geometry, paged_slots
 from runner.models.family import CausalLM, KVCaches
 from runner.logits_processors import LogitsAdjust, append_outputs
@@ -96,7 +97,7 @@ def forward_and_sample(model: CausalLM, kv_caches: KVCaches, batch: DeviceBatch,
         out = dataclasses.replace(out, routed_experts=flat(routed))
     extra = None
     if token_logprobs:
-        logp = jax.nn.log_softmax(model.compute_logits(flat(hidden)), axis=-1)
+        logp = row_sum.log_softmax(model.compute_logits(flat(hidden)))
         target = jnp.clip(flat(batch.target_ids), 0, logp.shape[-1] - 1)
         top_lp, top_ids = jax.lax.top_k(logp, num_top)
         extra = TokenLogprobs(jnp.take_along_axis(logp, target[:, None], axis=-1)[:, 0], top_ids, top_lp)

@@ -80,12 +80,17 @@ def auto_attention_impl(backend: str, platform: str, model_axis: int, cache_dtyp
 
 def select_backend(name: str, mesh: Mesh, *, dtype: str, param_dtype: str, cache_dtype: str,
                    attention_backend: str = "auto", cpu_row_kernel: bool = True, cpu_amx: bool = True,
-                   cpu_amx_from_rows: int = 25) -> Backend:
-    """The backend `name` ("auto": the mesh's platform) with its attention impl chosen."""
+                   cpu_amx_from_rows: int = 25, batch_invariant: bool = False) -> Backend:
+    """The backend `name` ("auto": the mesh's platform) with its attention impl chosen. `batch_invariant`:
+    kernels that sum every row alike whatever shares the step (the CPU backend's; raises elsewhere)."""
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; choose one of {BACKENDS}")
     platform = mesh.devices.flat[0].platform
     kind = platform if name == "auto" else name
+    if batch_invariant and kind != "cpu":
+        raise ValueError(f"batch_invariant=True is implemented by the CPU backend only; the {kind!r} backend runs "
+                         f"XLA's dot and reductions, whose order depends on the batch: use backend 'cpu' on CPU "
+                         f"devices or batch_invariant=False")
     if attention_backend not in ("auto", "tpu", *ATTENTION_IMPLS):
         raise ValueError(f"unknown attention impl {attention_backend!r}; choose 'auto', 'tpu' or one of {ATTENTION_IMPLS}")
     requested = "tpu" if kind == "tpu" and attention_backend == "auto" else attention_backend
@@ -101,7 +106,8 @@ def select_backend(name: str, mesh: Mesh, *, dtype: str, param_dtype: str, cache
         from runner.backends.cpu.backend import CpuBackend  # the C++ kernels: only on this path
 
         return CpuBackend(mesh, dtype=dtype, param_dtype=param_dtype, attention_impl=attention,
-                          row_kernel=cpu_row_kernel, use_amx=cpu_amx, amx_from_rows=cpu_amx_from_rows)
+                          row_kernel=cpu_row_kernel, use_amx=cpu_amx, amx_from_rows=cpu_amx_from_rows,
+                          batch_invariant=batch_invariant)
     if kind == "gpu":
         return GpuBackend(attention)
     if kind == "tpu":

@@ -53,6 +53,7 @@ class BackendStatus:
     amx: str  # the AMX matmul ("ok", or why not)
     attention: str  # the attention impl of paged steps (one of `runner.attention.ATTENTION_IMPLS`)
     bf16_matmul: str = "off"  # a bfloat16 model's matmul kernel ("ok: ..." and which, or why XLA's dot)
+    batch_invariant: str = "off"  # "on: ..." (what sums each row alike) or "off"
 
 
 class Backend:
@@ -76,6 +77,8 @@ class Backend:
                 sub.head_matmul, sub.packed_head = XLA_MATMUL_NT, nnx.data(None)
             elif hasattr(sub, "grouped_matmul"):  # a mixture of experts
                 sub.grouped_matmul = "ragged_dot"
+            elif hasattr(sub, "fixed_order"):  # a norm: XLA's reduce
+                sub.fixed_order = False
         return copy
 
     @property

@@ -19,6 +19,7 @@ from runner.attention import AttentionMetadata
 from runner.models.config import ModelConfig
 from runner.models.family import AttentionSpec
 from runner.models.llama import MLP, Attention, LlamaForCausalLM
+from runner.row_sum import mean_square
 
 
 class GemmaRMSNorm(nnx.Module):
@@ -27,10 +28,11 @@ class GemmaRMSNorm(nnx.Module):
     def __init__(self, dim: int, *, eps: float, cfg: ModelConfig):
         self.scale = nnx.Param(jnp.zeros((dim,), jnp.dtype(cfg.param_dtype)))
         self.eps = eps
+        self.fixed_order = False  # batch-invariant mode (`Backend.prepare`): `runner.row_sum`
 
     def __call__(self, x: Float[Array, "... d"]) -> Float[Array, "... d"]:
         h = x.astype(jnp.float32)
-        h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
+        h = h * jax.lax.rsqrt(mean_square(h, self.fixed_order) + self.eps)
         return (h * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
 
 

@@ -23,6 +23,7 @@ from runner.models.config import ModelConfig
 from runner.models.embedding import embedding_rows, packed_embedding_rows
 from runner.models.family import AttentionSpec, KVCaches
 from runner.models.moe import SparseMoE
+from runner.row_sum import mean_square
 
 
 def _dtype(name: str) -> jnp.dtype:
@@ -54,10 +55,11 @@ class RMSNorm(nnx.Module):
     def __init__(self, dim: int, *, eps: float, cfg: ModelConfig):
         self.scale = nnx.Param(jnp.ones((dim,), _dtype(cfg.param_dtype)))
         self.eps = eps
+        self.fixed_order = False  # batch-invariant mode (`Backend.prepare`): `runner.row_sum`
 
     def __call__(self, x: Float[Array, "... d"]) -> Float[Array, "... d"]:
         h = x.astype(jnp.float32)
-        h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
+        h = h * jax.lax.rsqrt(mean_square(h, self.fixed_order) + self.eps)
         return self.scale[...].astype(x.dtype) * h.astype(x.dtype)
 
 
@@ -211,7 +213,7 @@ class LlamaForCausalLM(nnx.Module):
         """The embedding rows of `input_ids`; where the tied head keeps a one-part packed copy (a bfloat16
         table on the CPU backend), read from it: its uint16 bits need no conversion."""
         packed = None if self.packed_head is None else self.packed_head[...]
-        if packed is None or packed.shape[2] != 1:
+        if packed is None or packed.ndim != 6 or packed.shape[2] != 1:
             return embedding_rows(self.embed_tokens[...], input_ids)
         return packed_embedding_rows(packed, input_ids)
 

@@ -8,6 +8,11 @@
   (`bf16_matmul`: the same packed weights, VDPBF16PS or widened FMAs, whichever this core runs faster),
 - paged attention (`attention`: decode, verification and prefill pieces of up to 64 queries).
 
+Batch-invariant mode (`EngineConfig(batch_invariant=True)`): one kernel per matmul at every row count,
+whose rows are summed alike whatever shares the step: the row kernel in chunks of 64 rows (the tied head
+through a transposed float32 copy), AMX or the AVX512_BF16 kernel (in chunks) for a bfloat16 model; the
+C++ attention for every step; the norms' sums in a fixed order (`runner.row_sum`).
+
 Each runs only where it builds and helps (AVX-512, float32, one device); otherwise XLA's dot or the
 pure-JAX attention runs, and `status()` says why. Options come from `EngineConfig`
 (`cpu_row_kernel`, `cpu_amx`, `cpu_amx_from_rows`, `attention_backend`); the environment switches
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import jax.numpy as jnp
 from flax import nnx
@@ -43,20 +49,34 @@ class CpuMatmul:
     amx_from_rows: int = amx.DEFAULT_FROM_ROWS
     transposed: bool = False
     bf16_kernel: str = "amx"  # a bfloat16 model's packed weights: "amx", or AVX512_BF16's "dot" / "fma" variant
+    invariant: bool = False  # batch-invariant mode: one kernel at every row count (float32: the row kernel)
 
     def __call__(self, x: Float[Array, "... K"], w: Array, packed: Array | None) -> Float[Array, "... N"]:
         rows = math.prod(x.shape[:-1])
-        if packed is not None and packed.shape[2] == 1:  # bfloat16 weights
+        if packed is not None and packed.ndim == 6 and packed.shape[2] == 1:  # bfloat16 weights
             if self.bf16_kernel == "amx":  # at every row count
                 return amx.amx_matmul(x.astype(jnp.bfloat16), packed)
-            if rows <= bf16.MAX_ROWS:
-                return bf16.bf16_matmul(x, packed, dot=self.bf16_kernel == "dot")
+            if rows <= bf16.MAX_ROWS or (self.invariant and rows > 0):
+                kernel = lambda xs, p: bf16.bf16_matmul(xs, p, dot=self.bf16_kernel == "dot")  # noqa: E731
+                return in_row_chunks(kernel, x, packed, bf16.MAX_ROWS)
             return XlaMatmul(self.transposed)(x, w, None)
+        if self.invariant and rows > 0:  # the tied head through its transposed copy (`CpuBackend.packed_weight`)
+            return in_row_chunks(row_matmul, x, (w.T if packed is None else packed) if self.transposed else w, MAX_ROWS)
         if packed is not None and amx.takes(rows, self.row_max_rows, self.amx_from_rows):
             return amx.amx_matmul(x, packed)
         if 0 < rows <= self.row_max_rows:
             return row_matmul_nt(x, w) if self.transposed else row_matmul(x, w)
         return XlaMatmul(self.transposed)(x, w, None)
+
+
+def in_row_chunks(kernel: Callable[[Array, Array], Array], x: Float[Array, "... K"], w: Array, chunk: int
+                  ) -> Float[Array, "... N"]:
+    """`kernel(x, w)` over consecutive chunks of at most `chunk` rows (a kernel whose rows do not depend
+    on each other gives each row the bits it has alone)."""
+    flat = x.reshape(-1, x.shape[-1])
+    parts = [kernel(flat[start:start + chunk], w) for start in range(0, flat.shape[0], chunk)]
+    y = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def row_kernel_status(mesh: Mesh, dtype: str, param_dtype: str, enabled: bool = True) -> KernelStatus:
@@ -79,7 +99,7 @@ class CpuBackend(Backend):
     name = "cpu"
 
     def __init__(self, mesh: Mesh, *, dtype: str, param_dtype: str, attention_impl: str, row_kernel: bool = True,
-                 use_amx: bool = True, amx_from_rows: int = amx.DEFAULT_FROM_ROWS) -> None:
+                 use_amx: bool = True, amx_from_rows: int = amx.DEFAULT_FROM_ROWS, batch_invariant: bool = False) -> None:
         super().__init__(attention_impl)
         if attention_impl == "cpu_kernel" and (mesh.size > 1 or mesh.devices.flat[0].platform != "cpu"):
             raise ValueError("attention impl 'cpu_kernel' runs on one CPU device; use 'jax' on a mesh or accelerator")
@@ -91,37 +111,47 @@ class CpuBackend(Backend):
             self.amx = self.row_kernel
         elif not use_amx:
             self.amx = KernelStatus(False, "turned off by EngineConfig(cpu_amx=False)")
+        elif batch_invariant and not bf16_model:
+            self.amx = KernelStatus(False, "off in batch-invariant mode: the row kernel takes every row count")
         else:
             self.amx = amx.load()
         self.amx_from_rows = amx.from_rows(amx_from_rows) if self.amx.available else amx_from_rows
         self.bf16_kernel, self.bf16_status = _bf16_kernel(bf16_model, self.amx)
+        self.batch_invariant = batch_invariant
+        if batch_invariant:
+            _check_batch_invariant(mesh, attention_impl, self.row_kernel, bf16_model, self.bf16_kernel, self.bf16_status)
 
     @property
     def packs_weights(self) -> bool:
-        return self.amx.available or self.bf16_kernel != ""
+        return self.amx.available or self.bf16_kernel != "" or self.batch_invariant
 
     def prepare(self, module: ModuleT, *, pack: bool = True) -> ModuleT:
         """A copy of `module` (sharing its arrays) computing with the kernels that run here: every
         `Linear` (and a tied output projection) gets a `CpuMatmul`, and with AMX (`pack`) a packed copy
         of its float32 weight where the shape fits."""
         copy = super().prepare(module)
+        if self.batch_invariant:
+            _check_invariant_model(copy)
         for _, sub in nnx.iter_modules(copy):
             if hasattr(sub, "grouped_matmul"):  # a mixture of experts: XLA:CPU's ragged_dot multiplies every expert
                 sub.grouped_matmul = "segments"
+            elif hasattr(sub, "fixed_order"):  # a norm
+                sub.fixed_order = self.batch_invariant
         if not self.row_kernel.available and not self.packs_weights:
             return copy
         rows_on = self.row_kernel.available  # off for a bfloat16 model: its packed-weight kernel or XLA's dot
         kernel = self.bf16_kernel or "amx"
         for _, sub in nnx.iter_modules(copy):
             if hasattr(sub, "matmul"):  # a Linear
-                sub.matmul = CpuMatmul(MAX_ROWS if rows_on else 0, self.amx_from_rows, bf16_kernel=kernel)
+                sub.matmul = CpuMatmul(MAX_ROWS if rows_on else 0, self.amx_from_rows, bf16_kernel=kernel,
+                                       invariant=self.batch_invariant)
             elif hasattr(sub, "head_matmul"):  # a causal LM: its tied output projection
                 sub.head_matmul = CpuMatmul(MAX_ROWS_NT if rows_on else 0, self.amx_from_rows, transposed=True,
-                                            bf16_kernel=kernel)
+                                            bf16_kernel=kernel, invariant=self.batch_invariant)
             else:
                 continue
-            w = _amx_weight(sub) if pack and self.packs_weights else None
-            packed = PackedKernel(amx.pack_kernel(w)) if w is not None else nnx.data(None)
+            value = self.packed_weight(sub) if pack and self.packs_weights else None
+            packed = PackedKernel(value) if value is not None else nnx.data(None)
             if hasattr(sub, "matmul"):
                 sub.packed = packed
             else:
@@ -141,12 +171,55 @@ class CpuBackend(Backend):
         for _, sub in nnx.iter_modules(model):
             packed = getattr(sub, "packed", None) if hasattr(sub, "matmul") else getattr(sub, "packed_head", None)
             if packed is not None:
-                packed.value = amx.pack_kernel(_amx_weight(sub))
+                packed.value = self.packed_weight(sub)
         return nnx.split(model, nnx.Param, ...)[2]
 
+    def packed_weight(self, sub: nnx.Module) -> Array | None:
+        """The packed copy of a module's weight its `CpuMatmul` reads, or None: AMX's layout, or in
+        float32 batch-invariant mode the tied head's `[H, V]` transpose (the row kernel's `x @ w`)."""
+        if self.batch_invariant and not self.bf16_kernel:
+            tied = None if hasattr(sub, "matmul") else sub.tied_output_rows()
+            return None if tied is None else jnp.transpose(tied)
+        w = _amx_weight(sub)
+        return None if w is None else amx.pack_kernel(w)
+
     def status(self) -> BackendStatus:
+        invariant = "off"
+        if self.batch_invariant:
+            kernel = {"amx": "AMX tiles", "": "the row kernel in chunks of 64 rows"}.get(
+                self.bf16_kernel, "the AVX512_BF16 kernel in chunks")
+            invariant = f"on: {kernel} at every row count, the C++ attention, fixed-order norms"
         return BackendStatus(self.name, matmul=self.row_kernel.reason, amx=self.amx.reason,
-                             attention=self.attention_impl, bf16_matmul=self.bf16_status)
+                             attention=self.attention_impl, bf16_matmul=self.bf16_status, batch_invariant=invariant)
+
+
+def _check_batch_invariant(mesh: Mesh, attention_impl: str, row_kernel: KernelStatus, bf16_model: bool,
+                           bf16_kernel: str, bf16_status: str) -> None:
+    """Raise if batch-invariant mode cannot run here: it needs kernels whose row sums ignore the batch."""
+    why = "batch_invariant=True"
+    if mesh.size > 1:
+        raise ValueError(f"{why} runs on one CPU device; this mesh has {mesh.size} (XLA partitions the dots there "
+                         f"and its sums depend on the split): use one device or batch_invariant=False")
+    if attention_impl != "cpu_kernel":
+        raise ValueError(f"{why} needs the C++ paged attention (attention_backend 'auto' or 'cpu_kernel'), got "
+                         f"{attention_impl!r}: the pure-JAX attention's reductions are XLA's, ordered by the batch")
+    if bf16_model and not bf16_kernel:
+        raise ValueError(f"{why} needs AMX or AVX512_BF16 for a bfloat16 model ({bf16_status}); use float32")
+    if not bf16_model and not row_kernel.available:
+        raise ValueError(f"{why} needs the row kernel for a float32 model ({row_kernel.reason})")
+
+
+def _check_invariant_model(model: nnx.Module) -> None:
+    """Raise for model features batch-invariant mode does not cover (they run XLA's own reductions)."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or not hasattr(cfg, "moe_layers"):  # a draft head: it only proposes tokens
+        return
+    if cfg.moe_layers:
+        raise ValueError("batch_invariant=True does not cover mixture-of-experts models yet (an expert's rows "
+                         "are grouped with whatever else routed to it); use batch_invariant=False")
+    if cfg.sliding_layers or cfg.attn_logit_softcap is not None:
+        raise ValueError("batch_invariant=True does not cover sliding-window or soft-capped attention yet (those "
+                         "layers run the pure-JAX attention); use batch_invariant=False")
 
 
 def _bf16_kernel(bf16_model: bool, amx_status: KernelStatus) -> tuple[str, str]:
