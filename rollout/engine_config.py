@@ -56,7 +56,7 @@ class EngineConfig:
     # and JAX_ROLLOUT_AMX_FROM_ROWS override these when the engine is built)
     cpu_row_kernel: bool = True
     cpu_amx: bool = True
-    cpu_amx_from_rows: int = 25
+    cpu_amx_from_rows: int = 41
     # Batch-invariant mode (RL fidelity): a request's raw logprobs (and so its greedy or seeded tokens) are
     # bitwise the same whatever shares its batch, however its prompt is chunked, whether its prefix came
     # from the cache, after preemption, with or without speculation: every matmul on one kernel at every row
@@ -164,7 +164,7 @@ class EngineStats:
     speculative: SpecStats | None = None  # drafting counters when speculation is configured
     backend: str = ""  # the kernel backend chosen (runner/backends/)
     cpu_row_kernel: str = ""  # "ok": steps of <= 64 rows use runner.backends.cpu.row_matmul (tied head <= 8); else why XLA's dot
-    # "ok": matmuls `runner.backends.cpu.amx_matmul.takes` use AMX tiles (the layers' of >= 25 rows where the row kernel
+    # "ok": matmuls `runner.backends.cpu.amx_matmul.takes` use AMX tiles (the layers' of >= 41 rows where the row kernel
     # runs, else >= 9; the tied head's past 8 rows); else why not
     cpu_amx: str = ""
     cpu_bf16_matmul: str = ""  # a bfloat16 model's matmuls: "ok: AMX tiles" / "ok: AVX512_BF16 ..." or why XLA's dot

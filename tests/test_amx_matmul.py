@@ -153,11 +153,11 @@ def test_model_with_amx_computes_the_same_logits() -> None:
 
 
 def test_which_rows_go_to_amx(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Below MIN_ROWS never; where the row kernel takes the rows, only from FROM_ROWS (its 9-24-row paths
-    are faster); without it (0) or past its limit (the tied head's 8), from MIN_ROWS."""
+    """Below MIN_ROWS never; where the row kernel takes the rows, only from FROM_ROWS (it is faster up to
+    40 rows); without it (0) or past its limit (the tied head's 8), from MIN_ROWS."""
     assert not amx.takes(MIN_ROWS - 1, 0) and amx.takes(MIN_ROWS, 0)
     assert amx.takes(MIN_ROWS, 8) and not amx.takes(MIN_ROWS, 64)
-    assert not amx.takes(24, 64, from_rows=25) and amx.takes(25, 64, from_rows=25) and amx.from_rows() == 25
+    assert not amx.takes(40, 64, from_rows=41) and amx.takes(41, 64, from_rows=41) and amx.from_rows() == 41
     monkeypatch.setenv("JAX_ROLLOUT_AMX_FROM_ROWS", "sixteen")
     with pytest.raises(ValueError, match="JAX_ROLLOUT_AMX_FROM_ROWS='sixteen': expected a row count"):
         amx.from_rows()

@@ -80,7 +80,7 @@ def auto_attention_impl(backend: str, platform: str, model_axis: int, cache_dtyp
 
 def select_backend(name: str, mesh: Mesh, *, dtype: str, param_dtype: str, cache_dtype: str,
                    attention_backend: str = "auto", cpu_row_kernel: bool = True, cpu_amx: bool = True,
-                   cpu_amx_from_rows: int = 25, batch_invariant: bool = False) -> Backend:
+                   cpu_amx_from_rows: int = 41, batch_invariant: bool = False) -> Backend:
     """The backend `name` ("auto": the mesh's platform) with its attention impl chosen. `batch_invariant`:
     kernels that sum every row alike whatever shares the step (the CPU backend's; raises elsewhere)."""
     if name not in BACKENDS:

@@ -36,9 +36,10 @@ from jaxtyping import Array, Float, UInt16
 from runner.backends.cpu.kernel_build import KernelStatus, cpu_flags, load_kernel
 
 MIN_ROWS = 9  # fewer rows are bandwidth-bound: the float32 row kernel reads 4 bytes per weight, AMX 6
-# Where the row kernel takes them, layer matmuls of fewer than 25 rows stay on it: its 9-24-row paths beat
-# AMX on the layer-shaped chain (e.g. 16 rows 26.7 vs 30.4 ms, 24 rows 32.2 vs 34.1; 32 rows 39.1 vs 37.0).
-DEFAULT_FROM_ROWS = 25
+# Where the row kernel takes them, layer matmuls of fewer than 41 rows stay on it: with 64-row panels it
+# beats AMX on the layer-shaped chain up to 40 rows (Xeon, medians: 32 rows 23.1 vs 28.2 ms, 40 rows 29.0
+# vs 29.8; 48 rows 34.1 vs 29.8, 64 rows 45.0 vs 36.1).
+DEFAULT_FROM_ROWS = 41
 
 
 def from_rows(default: int = DEFAULT_FROM_ROWS) -> int:

@@ -7,13 +7,13 @@ each of XLA's intra-op threads streaming one contiguous part of them) 21 / 23 / 
 once it prefetched the next block of weight rows in software, 4 and 8 rows cost about what one does
 (a layer-shaped chain: 17.5 / 18.7 / 21.3 ms at 1 / 4 / 8 rows on the Sapphire Rapids VM).
 Decode at B <= 8 and B=1 verification steps are such few-row steps. From 9 to 64 rows (`x @ w`
-only) groups of 6 rows take turns on each block of weights (read in place up to 20 rows, from a copied
-panel past that, the next one prefetched meanwhile): the 30 layers' matmuls at 16 / 32 / 64 rows 26.7 /
-37.9 / 59.6 ms against XLA's 46.9 / 62.4 / 77.1 (throwaway timings, docs/engineering-notes.md). Each
+only) groups of 6 rows take turns on each 64-row panel of weights (copied, the next one prefetched
+meanwhile): the 30 layers' matmuls at 16 / 32 / 64 rows 15.5 / 22.9 / 44.8 ms on the Xeon (with 512-row
+panels, read in place up to 20 rows, they were 18.9 / 30.8 / 47.4 ms; docs/engineering-notes.md). Each
 output is summed in the same order whatever the row count, so a row's result does not depend on which
 other rows share the step.
 
-On CPUs with AMX-BF16, `runner.backends.cpu.amx_matmul` takes the layers' steps of 25 rows or more and the tied head's
+On CPUs with AMX-BF16, `runner.backends.cpu.amx_matmul` takes the layers' steps of 41 rows or more and the tied head's
 past 8 (`amx_matmul.takes`, called by `Linear.__call__`).
 
 The kernel is built on first use (`runner.backends.cpu.kernel_build`: AVX-512 CPUs with a C++ compiler); `load()`

@@ -3,7 +3,7 @@
 // XLA:CPU runs a 1-row dot as a single-threaded GEMV and 2..8 rows as a YNNPACK GEMM that reads the
 // weights at about half the memory bandwidth, so a B=1 verification step (k + 1 rows) cost ~1.7x a
 // decode step. These kernels stream the weights once for all rows on all the pool's threads; past 8
-// rows (RowMatmul, up to 64) groups of rows take turns on each block (9-20 rows) or copied panel of it.
+// rows (RowMatmul, up to 64) groups of rows take turns on each copied panel of a block of it.
 // Each output is summed in the same order whatever the row count, so row r of an M-row product is
 // bitwise the 1-row product of row r (a verification step rounds exactly as plain decoding).
 //
@@ -23,9 +23,10 @@ namespace {
 
 constexpr int kMaxRows = 64;        // RowMatmul; RowMatmulNT takes up to 8
 constexpr int kGroupRows = 6;       // rows per register block past 8 rows: 6 x 4 accumulators + 4 weights
-constexpr int kInPlaceMaxRows = 20;  // up to here groups read the weights in place (nn_columns_groups)
-constexpr int64_t kInPlaceRowBlock = 16;  // weight rows per block there
-constexpr int64_t kPanelRowBlock = 512;  // weight rows per panel past kInPlaceMaxRows (nn_columns_panels)
+// Weight rows per panel past 8 rows (nn_columns_panels): a 16 KB panel stays in L1 while the row groups
+// take turns on it. At 512 rows per panel (128 KB, L2) the 30 layers' matmuls took 30.8 / 47.4 ms at 32 /
+// 64 rows on the Xeon, at 64 22.9 / 44.8, and 9-20 rows read in place (no panel) were 2-27% slower still.
+constexpr int64_t kPanelRowBlock = 64;
 constexpr int64_t kRowBlock = 8;   // weight rows read together (RowMatmul), the next block prefetched meanwhile
 constexpr int kStripVectors = 4;   // 64 output columns held in registers per row (RowMatmul)
 constexpr int kNtAlign = 24;       // RowMatmulNT column chunks: a multiple of every block size J
@@ -133,31 +134,9 @@ inline void nn_strip_group(int m, const float* x, const float* ws, int64_t ldw, 
   }
 }
 
-// The same for 9..kInPlaceMaxRows rows (mostly bandwidth-bound): groups of kGroupRows rows take turns on
-// each strip of a block of kInPlaceRowBlock weight rows, read in place (the first group's loads bring it
-// in, prefetching the next block); on the layer-shaped chain 1.4-1.6x faster than copying panels
-// (nn_columns_panels) at 9-16 rows, and faster than AMX there (docs/engineering-notes.md).
-void nn_columns_groups(int rows, const float* __restrict x, const float* __restrict w, float* __restrict y,
-                       int64_t K, int64_t N, int64_t n0, int64_t n1, int64_t kb, int64_t ke) {
-  constexpr int64_t strip = 16 * kStripVectors;
-  for (int64_t k0 = kb; k0 < ke; k0 += kInPlaceRowBlock) {
-    const int64_t k1 = std::min(ke, k0 + kInPlaceRowBlock);
-    const bool more = k1 + kInPlaceRowBlock <= K, first = k0 == kb;
-    int64_t n = n0;
-    for (; n + strip <= n1; n += strip) {
-      const float* ws = w + k0 * N + n;
-      for (int m0 = 0; m0 < rows; m0 += kGroupRows) {
-        const Prefetch pf{more && m0 == 0 ? ws + kInPlaceRowBlock * N : nullptr, N, 1, k1 - k0};
-        nn_strip_group(std::min(kGroupRows, rows - m0), x + m0 * K, ws, N, y + m0 * N, K, N, n, k0, k1, first, pf);
-      }
-    }
-    nn_tail(rows, x, w, y, K, N, n, n1, k0, k1, first);
-  }
-}
-
-// The same for more rows (compute-bound from ~24): each strip of a block of kPanelRowBlock weight rows
-// is copied into a contiguous panel (128 KB on the stack; reading the strip in place, N floats per row
-// apart, measured ~1.2x slower at 64 rows), then groups of kGroupRows rows take turns on it, each
+// The same for 9..64 rows: each strip of a block of kPanelRowBlock weight rows is copied into a
+// contiguous panel (on the stack; reading the strip in place, N floats per row apart, measured ~1.2x
+// slower at 64 rows), then groups of kGroupRows rows take turns on it, each
 // prefetching its share of the next panel's strip between its own loads (without: 1.38 / 1.15 / 1.07x
 // the time at 24 / 32 / 64 rows).
 void nn_columns_panels(int rows, const float* __restrict x, const float* __restrict w, float* __restrict y,
@@ -240,7 +219,7 @@ template <bool NT>
 void run_block(int rows, const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1,
                int64_t kb, int64_t ke) {
   if constexpr (!NT)
-    if (rows > 8) return (rows <= kInPlaceMaxRows ? nn_columns_groups : nn_columns_panels)(rows, x, w, y, K, N, n0, n1, kb, ke);
+    if (rows > 8) return nn_columns_panels(rows, x, w, y, K, N, n0, n1, kb, ke);
   switch (rows) {
     case 1: return block<NT, 1>(x, w, y, K, N, n0, n1, kb, ke);
     case 2: return block<NT, 2>(x, w, y, K, N, n0, n1, kb, ke);
