@@ -61,7 +61,8 @@ class EngineConfig:
     # bitwise the same whatever shares its batch, however its prompt is chunked, whether its prefix came
     # from the cache, after preemption, with or without speculation: every matmul on one kernel at every row
     # count, the C++ attention for every step, fixed-order norms (`runner.backends.cpu.backend`). The CPU
-    # backend on one device, dense models without sliding windows or attention soft-caps.
+    # backend on one device or a data-parallel mesh (the same bits), dense models without sliding windows
+    # or attention soft-caps.
     batch_invariant: bool = False
     # Multi-step decode (vLLM's name): up to this many decode steps per device call, the sampled
     # tokens fed back on the device; the host sees the batch (stops, new requests) once per call.

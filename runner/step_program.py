@@ -16,7 +16,7 @@ from typing import TypeVar
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int
 
 from runner import row_sum
@@ -67,30 +67,39 @@ def forward_and_sample(model: CausalLM, kv_caches: KVCaches, batch: DeviceBatch,
     `kv_sharding`: the caches' layout on a mesh, pinned on the updated caches; left to XLA's
     propagation, a head-sharded cache came back replicated (every device then held all of it and
     all-gathered the new K/V in every layer).
+
+    The CPU backend's C++ kernels have no partitioning rule: with them on a data-parallel mesh
+    (`md.impl == "cpu_kernel"`, batch-invariant mode) each replica's forward and logits run on its own
+    device under `shard_map`, so the kernels see that device's rows and cache only.
     """
 
-    def replica_forward(token_ids: Array, positions: Array, kv: KVCaches, md: AttentionMetadata,
+    def replica_forward(m: CausalLM, token_ids: Array, positions: Array, kv: KVCaches, md: AttentionMetadata,
                         logits_indices: Array) -> tuple[Array, Array, KVCaches, Array, Array]:
         routing: list[Array] | None = [] if record_routing else None
-        hidden, kv, aux = model.forward_paged(token_ids, positions, kv, md, aux_layers, routing)
+        hidden, kv, aux = m.forward_paged(token_ids, positions, kv, md, aux_layers, routing)
         routed = (jnp.stack(routing, axis=1).astype(jnp.int32) if routing
                   else jnp.zeros((token_ids.shape[0], 0, 0), jnp.int32))
         return hidden, hidden[logits_indices], kv, aux, routed
 
     args = (batch.token_ids, batch.positions, kv_caches, batch.md, batch.logits_indices)
+    flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731  [R, N, ...] -> [R * N, ...]
+    logits = None
     # One replica on one device: no vmap, the plain program (vmap over 1 costs ~15% there). On a
     # mesh, vmap even over one replica: squeezing the replica axis of a cache whose head axis is 1
     # per device made XLA:CPU copy every layer's cache twice per step (TP=4 at half the speed).
-    if kv_caches[0].shape[0] == 1 and kv_sharding is None:
-        hidden, rows_hidden, kv, aux, routed = replica_forward(*jax.tree.map(lambda x: x[0], args))
+    if kv_sharding is not None and batch.md.impl == "cpu_kernel":
+        hidden, rows_logits, kv_caches, aux, routed = _per_device_replicas(model, replica_forward, args, kv_sharding)
+        logits = flat(rows_logits)
+    elif kv_caches[0].shape[0] == 1 and kv_sharding is None:
+        hidden, rows_hidden, kv, aux, routed = replica_forward(model, *jax.tree.map(lambda x: x[0], args))
         hidden, rows_hidden, kv_caches, aux, routed = jax.tree.map(lambda x: x[None],
                                                                    (hidden, rows_hidden, kv, aux, routed))
     else:  # data parallel: each replica (a slice of the `data` axis) over its own KV blocks
-        hidden, rows_hidden, kv_caches, aux, routed = jax.vmap(replica_forward)(*args)
+        hidden, rows_hidden, kv_caches, aux, routed = jax.vmap(functools.partial(replica_forward, model))(*args)
     if kv_sharding is not None:
         kv_caches = tuple(jax.lax.with_sharding_constraint(kv, kv_sharding) for kv in kv_caches)
-    flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731  [R, N, ...] -> [R * N, ...]
-    logits = model.compute_logits(flat(rows_hidden))
+    if logits is None:
+        logits = model.compute_logits(flat(rows_hidden))
     branches = [functools.partial(sample, mode=m, num_top_logprobs=num_top, num_kept=num_kept) for m in SAMPLER_MODES]
     out = jax.lax.switch(batch.mode, branches, logits, jax.tree.map(flat, batch.sampling))
     if record_routing:
@@ -102,6 +111,24 @@ def forward_and_sample(model: CausalLM, kv_caches: KVCaches, batch: DeviceBatch,
         top_lp, top_ids = jax.lax.top_k(logp, num_top)
         extra = TokenLogprobs(jnp.take_along_axis(logp, target[:, None], axis=-1)[:, 0], top_ids, top_lp)
     return kv_caches, out, extra, aux
+
+
+def _per_device_replicas(model: CausalLM, replica_forward: Callable[..., tuple[Array, Array, KVCaches, Array, Array]],
+                         args: tuple[Array, Array, KVCaches, AttentionMetadata, Array], kv_sharding: NamedSharding
+                         ) -> tuple[Array, Array, KVCaches, Array, Array]:
+    """`replica_forward` of each replica on its own device of the mesh's `data` axis (`shard_map`; the
+    parameters replicated), with the logits of its rows: (hidden, row logits, caches, aux, routed), each
+    with the replica axis first."""
+    graphdef, state = nnx.split(model)
+
+    def local(state: nnx.State, *local_args: Array) -> tuple[Array, Array, KVCaches, Array, Array]:
+        m = nnx.merge(graphdef, state)
+        hidden, rows_hidden, kv, aux, routed = replica_forward(m, *jax.tree.map(lambda x: x[0], local_args))
+        return jax.tree.map(lambda x: x[None], (hidden, m.compute_logits(rows_hidden), kv, aux, routed))
+
+    data = PartitionSpec("data")
+    return jax.shard_map(local, mesh=kv_sharding.mesh, in_specs=(PartitionSpec(), *(data,) * len(args)),
+                         out_specs=data, check_vma=False)(state, *args)
 
 
 # Called after every step of `decode_loop`: (state, the step's batch, its aux hidden states, the KV slot of

@@ -1,7 +1,8 @@
 """Batch-invariant mode (`EngineConfig(batch_invariant=True)`): a request's raw logprobs and tokens are
 bitwise the same alone and in batches of 1..63 random companions, however its prompt is chunked, with a
 cached prefix, after preemption, with n-gram speculation, with 1 or 8 steps per call, with async
-scheduling on or off; on the tiny test model and on SmolLM2. Plus the pieces: the fixed-order sums
+scheduling on or off, on one device and on a data-parallel mesh (the same bits); on the tiny test model
+and on SmolLM2. Plus the pieces: the fixed-order sums
 (`runner.row_sum`), the CPU matmul at every row count, and the configurations the mode refuses.
 """
 
@@ -164,6 +165,16 @@ def test_same_bits_after_preemption(model, alone) -> None:
     assert eng.stats().num_preemptions > 0
 
 
+@needs_kernels
+def test_same_bits_on_a_data_parallel_mesh(model, alone) -> None:
+    """Two replicas (each device runs the kernels on its own rows and cache): the bits of one device,
+    whatever the other requests are and whichever replica the target lands on."""
+    eng = engine(model, mesh=(2, 1), max_num_seqs=32)
+    assert eng.stats().batch_invariant.startswith("on") and eng.stats().attention_impl == "cpu_kernel"
+    for companions in (0, 5, 40):
+        assert run(eng, companions, seed=companions + 1) == alone
+
+
 # ---- what the mode refuses ----------------------------------------------------------------------
 
 def test_config_validates_the_flag() -> None:
@@ -174,7 +185,7 @@ def test_config_validates_the_flag() -> None:
 @pytest.mark.parametrize("config, match", [
     (dict(backend="reference"), "CPU backend only"),
     (dict(attention_backend="jax"), "C\\+\\+ paged attention"),
-    (dict(mesh=(2, 1)), "one CPU device"),
+    (dict(mesh=(1, 2)), "'model' axis of 2"),
 ])
 def test_refused_where_rows_would_depend_on_the_batch(model, config: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):

@@ -99,6 +99,10 @@ def select_backend(name: str, mesh: Mesh, *, dtype: str, param_dtype: str, cache
     else:  # the TPU layout's kernel only on a TPU; the other kernels by the backend asked for
         on = platform if requested == "tpu" else kind
         attention = auto_attention_impl(requested, on, mesh.shape["model"], cache_dtype, mesh.size)
+    if batch_invariant and requested == "auto" and kind == "cpu" and mesh.size > 1 and mesh.shape["model"] == 1:
+        from runner.backends.cpu.attention import load  # data parallel: each device runs it on its replica
+
+        attention = "cpu_kernel" if load().available else attention
     if attention not in ("jax", "tpu_ragged_jax") and mesh.shape["model"] > 1:
         raise ValueError(f"attention impl {attention!r} runs unpartitioned: it needs a mesh whose 'model' axis "
                          f"is 1, got {mesh.shape['model']} (use 'jax')")

@@ -1,4 +1,5 @@
-"""`CpuBackend`: the C++ XLA FFI kernels of this folder, each optional, on one CPU device.
+"""`CpuBackend`: the C++ XLA FFI kernels of this folder, each optional, on one CPU device (in batch-invariant
+mode also on a data-parallel mesh, each replica's forward on its own device).
 
 - few-row matmuls (`row_matmul`: 1-64 rows of `x @ w`, up to 8 of the tied head's `x @ w.T`),
 - AMX tiles for larger float32 matmuls where the CPU has AMX-BF16 (`amx_matmul`: weights kept packed
@@ -11,7 +12,9 @@
 Batch-invariant mode (`EngineConfig(batch_invariant=True)`): one kernel per matmul at every row count,
 whose rows are summed alike whatever shares the step: the row kernel in chunks of 64 rows (the tied head
 through a transposed float32 copy), AMX or the AVX512_BF16 kernel (in chunks) for a bfloat16 model; the
-C++ attention for every step; the norms' sums in a fixed order (`runner.row_sum`).
+C++ attention for every step; the norms' sums in a fixed order (`runner.row_sum`). On a mesh of
+`(data, 1)` each replica's forward runs on its own device under `shard_map` (`runner.step_program`), so
+the kernels and the bits are those of one device; a `model` axis (tensor parallelism) is refused.
 
 Each runs only where it builds and helps (AVX-512, float32, one device); otherwise XLA's dot or the
 pure-JAX attention runs, and `status()` says why. Options come from `EngineConfig`
@@ -81,14 +84,15 @@ def in_row_chunks(kernel: Callable[[Array, Array], Array], x: Float[Array, "... 
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def row_kernel_status(mesh: Mesh, dtype: str, param_dtype: str, enabled: bool = True) -> KernelStatus:
+def row_kernel_status(mesh: Mesh, dtype: str, param_dtype: str, enabled: bool = True, per_device: bool = False
+                      ) -> KernelStatus:
     """Whether few-row steps use the row kernel: float32 on one CPU device (the kernel has no
-    partitioning rule, so never on a mesh)."""
+    partitioning rule, so not on a mesh, except `per_device`: each data replica on its own device)."""
     if not enabled:
         return KernelStatus(False, "turned off by EngineConfig(cpu_row_kernel=False)")
     if any(d.platform != "cpu" for d in mesh.devices.flat):
         return KernelStatus(False, "not a CPU device: XLA's dot")
-    if mesh.size > 1:
+    if mesh.size > 1 and not per_device:
         return KernelStatus(False, "a mesh of several devices: XLA's dot partitions, the kernel does not")
     if (dtype, param_dtype) != ("float32", "float32"):
         return KernelStatus(False, f"float32 only, the model computes in {dtype} ({param_dtype} weights)")
@@ -103,12 +107,17 @@ class CpuBackend(Backend):
     def __init__(self, mesh: Mesh, *, dtype: str, param_dtype: str, attention_impl: str, row_kernel: bool = True,
                  use_amx: bool = True, amx_from_rows: int = amx.DEFAULT_FROM_ROWS, batch_invariant: bool = False) -> None:
         super().__init__(attention_impl)
-        if attention_impl == "cpu_kernel" and (mesh.size > 1 or mesh.devices.flat[0].platform != "cpu"):
+        # batch-invariant mode on a data-parallel mesh: each replica's forward on its own device
+        # (`runner.step_program`), so the kernels run there as on one device
+        per_device = batch_invariant and mesh.shape["model"] == 1
+        if attention_impl == "cpu_kernel" and ((mesh.size > 1 and not per_device)
+                                               or mesh.devices.flat[0].platform != "cpu"):
             raise ValueError("attention impl 'cpu_kernel' runs on one CPU device; use 'jax' on a mesh or accelerator")
         if attention_impl == "cpu_kernel" and not load_attention().available:
             raise ValueError(f"attention impl 'cpu_kernel' is unavailable here ({load_attention().reason}); use 'jax'")
-        self.row_kernel = row_kernel_status(mesh, dtype, param_dtype, row_kernel)
-        bf16_model = (dtype, param_dtype) == ("bfloat16", "bfloat16") and mesh.size == 1 and row_kernel
+        self.row_kernel = row_kernel_status(mesh, dtype, param_dtype, row_kernel, per_device)
+        bf16_model = ((dtype, param_dtype) == ("bfloat16", "bfloat16") and (mesh.size == 1 or per_device)
+                      and row_kernel)
         if not self.row_kernel.available and not bf16_model:
             self.amx = self.row_kernel
         elif not use_amx:
@@ -201,9 +210,9 @@ def _check_batch_invariant(mesh: Mesh, attention_impl: str, row_kernel: KernelSt
                            bf16_kernel: str, bf16_status: str) -> None:
     """Raise if batch-invariant mode cannot run here: it needs kernels whose row sums ignore the batch."""
     why = "batch_invariant=True"
-    if mesh.size > 1:
-        raise ValueError(f"{why} runs on one CPU device; this mesh has {mesh.size} (XLA partitions the dots there "
-                         f"and its sums depend on the split): use one device or batch_invariant=False")
+    if mesh.shape["model"] > 1:
+        raise ValueError(f"{why} runs on one CPU device or a data-parallel mesh; this one splits every row's sums "
+                         f"over a 'model' axis of {mesh.shape['model']}: use mesh=(data, 1) or batch_invariant=False")
     if attention_impl != "cpu_kernel":
         raise ValueError(f"{why} needs the C++ paged attention (attention_backend 'auto' or 'cpu_kernel'), got "
                          f"{attention_impl!r}: the pure-JAX attention's reductions are XLA's, ordered by the batch")
