@@ -76,6 +76,36 @@ def test_invariant_matmul_rows_are_the_one_row_products(transposed: bool, on_amx
         assert np.asarray(matmul(x[:rows])).tobytes() == alone[:rows].tobytes(), f"{rows} rows"
 
 
+@pytest.mark.parametrize("filters", [dict(), dict(top_k=20), dict(min_p=0.05), dict(top_p=0.9)],
+                         ids=["temperature", "top-k", "min-p", "top-p"])
+def test_sampler_row_ignores_the_other_rows(filters: dict) -> None:
+    """A row's token and raw logprob bits over SmolLM2's vocabulary, alone and among 7-63 random rows
+    whose settings put the step in any sampling mode."""
+    from runner.sampler import choose_mode, sample
+    from test_sampler import make_inputs
+
+    vocab = 49152
+    rng = np.random.default_rng(3)
+    row = rng.standard_normal(vocab).astype(np.float32) * 4
+    target = {**dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=11, sample_index=0, positions=5), **filters}
+    first = None
+    for companions in (0, 7, 30, 63):
+        n = companions + 1
+        logits = rng.standard_normal((n, vocab)).astype(np.float32) * 4
+        logits[0] = row
+        settings = dict(temperature=rng.choice([0.0, 0.7, 1.0], n).astype(np.float32),
+                        top_k=rng.choice([0, 5, 50], n), top_p=rng.choice([1.0, 0.8], n).astype(np.float32),
+                        min_p=rng.choice([0.0, 0.1], n).astype(np.float32), seeds=rng.integers(0, 1 << 20, n),
+                        sample_index=np.zeros(n, np.int64), positions=rng.integers(0, 500, n))
+        for key, value in target.items():
+            settings[key][0] = value
+        mode = choose_mode(settings["temperature"], settings["top_k"], settings["top_p"], settings["min_p"], vocab_size=vocab)
+        out = sample(jnp.asarray(logits), make_inputs(n, processed=False, **settings), mode=mode)
+        got = (int(out.token_ids[0]), np.asarray(out.logprobs)[0].tobytes())
+        first = got if first is None else first
+        assert got == first, f"{companions} companions ({mode} mode)"
+
+
 # ---- the engine on the tiny model ---------------------------------------------------------------
 
 @pytest.fixture(scope="module")
