@@ -46,7 +46,11 @@ from runner.backends.cpu.row_matmul import MAX_ROWS, MAX_ROWS_NT, load as load_r
 class CpuMatmul:
     """`x @ w` (`transposed`: `x @ w.T`): AMX where a packed weight exists and `amx.takes` the rows,
     the row kernel up to `row_max_rows` rows, XLA's dot otherwise; a bfloat16 model's packed weights on
-    AMX at every row count, or on the AVX512_BF16 kernel up to `bf16_matmul.MAX_ROWS` rows."""
+    AMX at every row count, or on the AVX512_BF16 kernel up to `bf16_matmul.MAX_ROWS` rows.
+
+    `invariant` (batch-invariant mode): one kernel at every row count, each row's bits those of its
+    product alone: the row kernel in chunks of `MAX_ROWS` (the tied head: AMX where packed for it, else
+    the row kernel over its `[H, V]` copy), a bfloat16 model's AMX or AVX512_BF16 kernel (in chunks)."""
 
     row_max_rows: int
     amx_from_rows: int = amx.DEFAULT_FROM_ROWS
