@@ -205,6 +205,22 @@ def test_same_bits_on_a_data_parallel_mesh(model, alone) -> None:
         assert run(eng, companions, seed=companions + 1) == alone
 
 
+@needs_kernels
+def test_same_bits_with_eagle3_drafting(model, tmp_path) -> None:
+    """Greedy with an EAGLE-3 head (random: drafts mostly rejected, so verification steps of k + 1 rows
+    carry the target): the bits of plain decoding."""
+    from rollout import Eagle3Config
+    from runner.spec_decode.eagle3_checkpoint import init_eagle3_head, save_eagle3_head
+
+    path = str(tmp_path / "head")
+    save_eagle3_head(init_eagle3_head(model, seed=3), path)
+    params = SamplingParams(temperature=0.0, max_tokens=30, logprobs=0, ignore_eos=True)
+    plain = run(engine(model), 5, seed=8, params=params)
+    spec = engine(model, speculative=Eagle3Config(path, k=3, auto_disable=False))
+    assert run(spec, 5, seed=9, params=params) == plain
+    assert spec.stats().speculative.drafted_tokens > 0
+
+
 # ---- what the mode refuses ----------------------------------------------------------------------
 
 def test_config_validates_the_flag() -> None:
@@ -220,6 +236,25 @@ def test_config_validates_the_flag() -> None:
 def test_refused_where_rows_would_depend_on_the_batch(model, config: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         Engine.from_model(model, ByteTokenizer(), **{**ENGINE_KW, "batch_invariant": True, **config})
+
+
+@needs_kernels
+@pytest.mark.parametrize("change, match", [
+    (dict(moe_layers=(0,), num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16), "mixture-of-experts"),
+    (dict(sliding_layers=(0,), sliding_window=8), "sliding-window"),
+])
+def test_refused_for_models_it_does_not_cover(change: dict, match: str) -> None:
+    import dataclasses
+
+    from flax import nnx
+
+    from runner.models.llama import LlamaForCausalLM
+    from test_engine import CFG
+
+    other = LlamaForCausalLM(dataclasses.replace(CFG, **change), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=match):
+        Engine.from_model(other, ByteTokenizer(), **{**ENGINE_KW, "batch_invariant": True})
+    Engine.from_model(other, ByteTokenizer(), **ENGINE_KW)  # the default mode takes it
 
 
 # ---- SmolLM2 --------------------------------------------------------------------------------------
