@@ -95,7 +95,9 @@ def test_greedy_rows_rollout_batch_and_speculative_verification(model, tmp_path)
             assert kept == sorted(range(len(row)), key=lambda t: (-row[t], t))[:3]
             np.testing.assert_allclose(np.logaddexp.reduce(row[kept]), mass, atol=2e-5)
         n = int(batch.completion_lens[0])
-        np.testing.assert_allclose(batch.completion_kept_logmass[0, :n], c.kept_logmass, atol=0)
+        # another batch (two prompts, not one): its steps may take other kernels by row count, so the last
+        # bit may differ; equal bits whatever the batch are what EngineConfig(batch_invariant=True) gives
+        np.testing.assert_allclose(batch.completion_kept_logmass[0, :n], c.kept_logmass, rtol=0, atol=1e-6)
         assert batch.completion_kept_ids.shape[2] == 3 and batch.completion_kept_ids_valid[0, :n].all()
         np.testing.assert_array_equal(batch.completion_kept_ids[0, :n], np.asarray(c.kept_ids))
 
