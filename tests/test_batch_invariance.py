@@ -196,6 +196,23 @@ def test_same_bits_after_preemption(model, alone) -> None:
 
 
 @needs_kernels
+def test_tied_head_without_amx_takes_the_row_kernel() -> None:
+    """A tied head where AMX is off (as on CPUs without it): the row kernel over its [H, V] copy, and a
+    request's bits stay the same among companions."""
+    import dataclasses
+
+    from flax import nnx
+
+    from runner.models.llama import LlamaForCausalLM
+    from test_engine import CFG
+
+    tied = LlamaForCausalLM(dataclasses.replace(CFG, tie_word_embeddings=True), rngs=nnx.Rngs(1))
+    eng = engine(tied, cpu_amx=False)
+    assert "AMX" not in eng.stats().batch_invariant
+    assert run(eng, 9, seed=12) == run(eng, 0, seed=0)
+
+
+@needs_kernels
 def test_same_bits_on_a_data_parallel_mesh(model, alone) -> None:
     """Two replicas (each device runs the kernels on its own rows and cache): the bits of one device,
     whatever the other requests are and whichever replica the target lands on."""

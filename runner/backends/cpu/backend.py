@@ -191,13 +191,16 @@ class CpuBackend(Backend):
         """The packed copy of a module's weight its `CpuMatmul` reads, or None: AMX's layout. In float32
         batch-invariant mode only the tied head has one: AMX's layout (as fast as the row kernel at one row
         and twice as fast at 64 on the Xeon), or without AMX its `[H, V]` transpose (the row kernel's `x @ w`)."""
-        w = None if self.batch_invariant and not self.bf16_kernel and hasattr(sub, "matmul") else _amx_weight(sub)
-        if w is not None:
-            return amx.pack_kernel(w)
-        if self.batch_invariant and not self.bf16_kernel and not hasattr(sub, "matmul"):
-            tied = sub.tied_output_rows()
-            return None if tied is None else jnp.transpose(tied)
-        return None
+        if self.batch_invariant and not self.bf16_kernel:  # float32: the layers read their own kernels
+            if hasattr(sub, "matmul"):
+                return None
+            w = _amx_weight(sub) if self.amx.available else None
+            if w is None:
+                tied = sub.tied_output_rows()
+                return None if tied is None else jnp.transpose(tied)
+        else:
+            w = _amx_weight(sub)
+        return None if w is None else amx.pack_kernel(w)
 
     def status(self) -> BackendStatus:
         invariant = "off"
