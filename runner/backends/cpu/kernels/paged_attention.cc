@@ -124,8 +124,9 @@ struct Problem {
   float scale;
 };
 
-// All query rows of sequence s for KV head h. DV = ceil(head_dim / 16); kFull: head_dim % 16 == 0.
-template <int DV, bool kFull, typename KV>
+// All query rows of sequence s for KV head h. DV = ceil(head_dim / 16); kFull: head_dim % 16 == 0;
+// kPaged: page_size % 16 == 0, so a tile is 16 consecutive slots of one page (its base, no per-key lookup).
+template <int DV, bool kFull, bool kPaged, typename KV>
 void attend(const Problem<KV>& pb, int64_t s, int64_t h) {
   const int64_t D = pb.head_dim, tail = D - 16 * (DV - 1);
   auto ld = [tail](const auto* p, int u) { return kFull || u < DV - 1 ? load(p + 16 * u) : load_tail(p + 16 * u, tail); };
@@ -161,6 +162,12 @@ void attend(const Problem<KV>& pb, int64_t s, int64_t h) {
   // The keys of the tile at t0 (those past the context read the last key's slot and are masked): one
   // division per tile, then the slot steps along (divisions per key cost more than a small head's math).
   auto locate = [&](int64_t t0, const KV** keys, const KV** values) {
+    if constexpr (kPaged) {  // slots past the context lie in the same (allocated) page and are masked
+      const int64_t page = std::clamp<int64_t>(table[std::min(t0 / pb.page_size, pb.table_width - 1)], 0, pb.total_pages - 1);
+      const int64_t offset = page * page_floats + (t0 % pb.page_size) * D;
+      for (int t = 0; t < kTile; ++t) keys[t] = k_head + offset + t * D, values[t] = v_head + offset + t * D;
+      return;
+    }
     int64_t key = std::min(t0, kv_len - 1), col = key / pb.page_size, slot = key % pb.page_size;
     for (int t = 0; t < kTile; ++t) {
       const int64_t page = std::clamp<int64_t>(table[std::min(col, pb.table_width - 1)], 0, pb.total_pages - 1);
@@ -203,10 +210,13 @@ void attend(const Problem<KV>& pb, int64_t s, int64_t h) {
       const i16 live = lane < static_cast<int32_t>(valid);
       scores = live ? scores : splat(kMask);
       const float m_new = std::max(m[r], hmax(scores));
-      const float alpha = vexp(splat(m[r] - m_new))[0];
+      // exp(0) is exactly 1 here, so a tile that leaves the maximum alone skips the rescale (same bits)
+      const bool rescale = m_new != m[r];
+      const float alpha = rescale ? vexp(splat(m[r] - m_new))[0] : 1.0f;
       const v16 pv = vexp(scores - m_new);
       store(p, live ? pv : splat(0.0f));
-      l[r] = l[r] * alpha + hsum(load(p));
+      const float tile_sum = hsum(load(p));
+      l[r] = rescale ? l[r] * alpha + tile_sum : l[r] + tile_sum;
       m[r] = m_new;
       v16* ar = &acc[r * DV];
       // p . V in two interleaved partial sums (two dependency chains), then into the rescaled accumulator
@@ -220,7 +230,10 @@ void attend(const Problem<KV>& pb, int64_t s, int64_t h) {
         }
       if (t < valid)
         for (int u = 0; u < DV; ++u) even[u] += p[t] * ld(value_at[t], u);
-      for (int u = 0; u < DV; ++u) ar[u] = ar[u] * alpha + (even[u] + odd[u]);
+      if (rescale)
+        for (int u = 0; u < DV; ++u) ar[u] = ar[u] * alpha + (even[u] + odd[u]);
+      else
+        for (int u = 0; u < DV; ++u) ar[u] += even[u] + odd[u];
     }
   }
   for (int64_t i = 0; i < q_len; ++i)
@@ -237,7 +250,12 @@ void attend(const Problem<KV>& pb, int64_t s, int64_t h) {
 
 template <int DV, typename KV>
 void attend_dv(const Problem<KV>& pb, int64_t s, int64_t h) {
-  if (pb.head_dim == 16 * DV) attend<DV, true>(pb, s, h); else attend<DV, false>(pb, s, h);
+  const bool paged = pb.page_size % kTile == 0;
+  if (pb.head_dim == 16 * DV) {
+    if (paged) attend<DV, true, true>(pb, s, h); else attend<DV, true, false>(pb, s, h);
+  } else {
+    if (paged) attend<DV, false, true>(pb, s, h); else attend<DV, false, false>(pb, s, h);
+  }
 }
 
 template <typename KV>
