@@ -231,7 +231,9 @@ class EngineCore(PolicyUpdates):
     def _report(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """Outputs of the requests `batch` touched (and any deferred ones); finished requests are forgotten."""
         results, self._deferred = self._deferred, []
-        for rid in dict.fromkeys(s.request_id for s in batch.seqs):
+        # a final-only request reports nothing until its sequences end: only those with one that ended are read
+        touched = (s.request_id for s in batch.seqs if s.is_finished or s.params.output_kind != "final_only")
+        for rid in dict.fromkeys(touched):
             req = self.requests.get(rid)
             if req is None:
                 continue

@@ -9,7 +9,7 @@ import numpy as np
 
 from rollout.scheduler import ScheduledBatch, Scheduler
 from rollout.sequence import Sequence
-from rollout.step_builder import ending_ids
+from rollout.step_builder import ending_table
 from rollout.tokenizer import Tokenizer
 from runner.model_runner import StepResult
 
@@ -131,13 +131,14 @@ class OutputProcessor:
     def _take_tokens(self, seqs: list[Sequence], rows: np.ndarray, steps: np.ndarray, result: StepResult) -> int:
         tokens = result.token_ids[:, rows]  # [T, L]
         t = np.arange(tokens.shape[0])[:, None]
-        num_out = np.array([s.num_output_tokens for s in seqs])
+        num_tokens = np.fromiter(map(len, (s.token_ids for s in seqs)), np.int64, len(seqs))
+        num_out = num_tokens - np.fromiter((s.num_prompt_tokens for s in seqs), np.int64, len(seqs))
         params = [s.params for s in seqs]
-        limit = np.minimum(np.array([p.max_tokens for p in params]) - num_out,
-                           self.max_model_len - np.array([s.num_tokens for s in seqs]))
-        ending = self._ending_ids(seqs)
+        limit = np.minimum(np.fromiter((p.max_tokens for p in params), np.int64, len(seqs)) - num_out,
+                           self.max_model_len - num_tokens)
+        ending = ending_table(seqs, self.eos_ids_ordered)  # [L, M], -1 padded
         hit = (tokens[:, :, None] == ending[None]).any(-1)
-        hit &= num_out[None] + t + 1 >= np.array([p.min_tokens for p in params])[None]
+        hit &= num_out[None] + t + 1 >= np.fromiter((p.min_tokens for p in params), np.int64, len(seqs))[None]
         ends = (hit | (t + 1 >= limit[None])) & (t < steps[None])
         finished = ends.any(0)
         counts = np.where(finished, ends.argmax(0) + 1, np.minimum(steps, tokens.shape[0]))
@@ -146,11 +147,12 @@ class OutputProcessor:
         logprobs = result.logprobs[:, rows].T.tolist() if any(want_logprobs) else None
         ranks = result.ranks[:, rows].T.tolist() if any(want_logprobs) and result.ranks is not None else None
         version = self.policy_version
-        for j, seq in enumerate(seqs):
-            n = int(counts[j])
-            if seq.num_output_tokens == 0:  # its prompt's K/V is complete: its sibling samples may share it
+        width = tokens.shape[0]
+        for j, (seq, n, first, ends_now) in enumerate(zip(seqs, counts.tolist(), (num_out == 0).tolist(),
+                                                           finished.tolist())):
+            if first:  # its prompt's K/V is complete: its sibling samples may share it
                 self.scheduler.mark_prefilled(seq)
-            new = columns[j][:n]
+            new = columns[j] if n == width else columns[j][:n]
             seq.token_ids += new
             seq.num_computed_tokens += n
             seq.output_versions += [version] * n
@@ -164,7 +166,7 @@ class OutputProcessor:
             if params[j].sampling_record:
                 for i in range(n):
                     _record(seq, result, i, rows[j])
-            if finished[j]:
+            if ends_now:
                 if hit[n - 1, j]:
                     seq.finish_reason = "stop"
                     seq.stop_reason = new[-1] if new[-1] in params[j].stop_token_ids else None
@@ -172,14 +174,6 @@ class OutputProcessor:
                     seq.finish_reason = "length"
                 self.scheduler.finish(seq)
         return int(counts.max(initial=0))
-
-    def _ending_ids(self, seqs: list[Sequence]) -> np.ndarray:
-        """[L, M] the ids that stop each sequence (EOS unless ignored, its stop ids), padded with -1."""
-        rows = [ending_ids(seq, self.eos_ids_ordered) for seq in seqs]
-        out = np.full((len(rows), max(1, max(map(len, rows)))), -1, np.int64)
-        for i, ids in enumerate(rows):
-            out[i, :len(ids)] = ids
-        return out
 
     def _walk(self, seq: Sequence, draft: np.ndarray, rows: _HostRows, step: int, row: int) -> tuple[bool, int]:
         """One sequence's rows of one step from `row`: emit while drafts match; (finished, accepted drafts)."""

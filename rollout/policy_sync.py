@@ -129,7 +129,7 @@ class PolicyUpdates:
         bound, now = self.config.max_policy_lag, self.policy_version
         if bound is None:
             return
-        for seq in [s for s in self.scheduler.running + list(self.scheduler.waiting) if not s.is_finished]:
+        for seq in [s for s in [*self.scheduler.running, *self.scheduler.waiting] if not s.is_finished]:
             if not seq.num_output_tokens and seq not in self.scheduler.running:
                 seq.admitted_version = now  # not begun yet: its lag starts now
             if now - (seq.admitted_version or 0) <= bound:

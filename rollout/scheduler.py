@@ -17,6 +17,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+import numpy as np
+
 from rollout.block_manager import BlockManager
 from rollout.sequence import Sequence, SequenceStatus
 
@@ -65,7 +67,7 @@ class Scheduler:
         self.config = config
         self.block_manager = block_manager
         self.waiting: collections.deque[Sequence] = collections.deque()
-        self.running: list[Sequence] = []
+        self.running: dict[Sequence, None] = {}  # in admission order (a dict: O(1) removal when one ends)
         self.num_preemptions = 0
         self._prefilled_requests: set[str | int] = set()
         self.admission_limit: int | None = None  # most samples that may have started (lag-aware admission)
@@ -128,7 +130,7 @@ class Scheduler:
             seq.started = True
             self.block_manager.allocate(seq)
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self.running[seq] = None
             take = min(seq.num_tokens - seq.num_computed_tokens, budgets[replica])
             seqs.append(seq)
             counts.append(take)
@@ -186,25 +188,31 @@ class Scheduler:
         cfg = self.config
         if batch.is_prefill or self.waiting or len(batch.seqs) != len(self.running) or cfg.decode_steps > 1:
             return None
-        kept, steps = [], []
-        need = collections.Counter()
-        for i, (seq, done) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            left = seq.max_new_tokens(cfg.max_model_len) - done
-            if left > 0:
-                kept.append(i)
-                steps.append(min(cfg.num_scheduler_steps, left))
-                need[seq.replica] += (self.block_manager.blocks_needed(seq.num_tokens + done + steps[-1] - 1)
-                                      - len(seq.block_table))
-        if not kept or any(n > self.block_manager.num_free(r) for r, n in need.items()):
+        seqs, done = batch.seqs, np.asarray(batch.num_new_tokens, np.int64)
+        num_tokens = np.fromiter(map(len, (s.token_ids for s in seqs)), np.int64, len(seqs))
+        num_output = num_tokens - np.fromiter((s.num_prompt_tokens for s in seqs), np.int64, len(seqs))
+        max_tokens = np.fromiter((s.params.max_tokens for s in seqs), np.int64, len(seqs))
+        left = np.minimum(max_tokens - num_output, cfg.max_model_len - num_tokens) - done  # Sequence.max_new_tokens
+        kept = np.flatnonzero(left > 0)
+        if not len(kept):
             return None
-        for i, n in zip(kept, steps):
-            self.block_manager.append(batch.seqs[i], batch.num_new_tokens[i] + n - 1)
+        steps = np.minimum(cfg.num_scheduler_steps, left[kept])
+        reach = done[kept] + steps - 1  # tokens past its current ones the call's K/V needs room for
+        held = np.fromiter((len(seqs[i].block_table) for i in kept), np.int64, len(kept))
+        need = np.maximum(-(-(num_tokens[kept] + reach) // self.block_manager.block_size) - held, 0)
+        replicas = np.fromiter((seqs[i].replica for i in kept), np.int64, len(kept))
+        per_replica = np.bincount(replicas, weights=need, minlength=cfg.num_replicas)
+        if any(n > self.block_manager.num_free(r) for r, n in enumerate(per_replica.tolist())):
+            return None
+        for i, n in zip(kept[need > 0].tolist(), reach[need > 0].tolist()):
+            self.block_manager.append(seqs[i], n)
+        kept, steps = kept.tolist(), steps.tolist()
         return ScheduledBatch(False, [batch.seqs[i] for i in kept], steps), kept
 
     def preempt(self, seq: Sequence, *, count: bool = True) -> None:
         """Free a running sequence's blocks and put it back at the head of the queue (its tokens so far
         are recomputed when it is admitted again). `count`: a preemption for lack of memory (counted)."""
-        self.running.remove(seq)
+        del self.running[seq]
         self.block_manager.deallocate(seq)
         seq.status = SequenceStatus.WAITING
         if count:
@@ -221,7 +229,7 @@ class Scheduler:
         prefix sharing, so a next turn that extends its tokens (multi-turn RL) or a resumed continuation
         reuses their K/V."""
         seq.status = SequenceStatus.FINISHED
-        self.running.remove(seq)
+        del self.running[seq]
         self.block_manager.register_computed(seq, seq.num_computed_tokens)
         self.block_manager.deallocate(seq)
 

@@ -22,17 +22,22 @@ def ending_ids(seq: Sequence, eos_token_ids: tuple[int, ...]) -> tuple[int, ...]
     return seq.ending_ids
 
 
-def suppressed_ids(seq: Sequence, eos_token_ids: tuple[int, ...]) -> tuple[int, ...]:
-    """Ids a sequence may not sample yet: EOS (unless ignored) and its stop ids until `min_tokens` are out."""
-    if seq.num_output_tokens >= seq.params.min_tokens:
-        return ()
-    return ending_ids(seq, eos_token_ids)
+def ending_table(seqs: list[Sequence], eos_token_ids: tuple[int, ...], keep: np.ndarray | None = None) -> np.ndarray:
+    """[S, W] each sequence's ending ids, -1 padded; rows where `keep` is False are all -1. W is
+    `MAX_SUPPRESS`, or the next power of two that holds the longest (a request with many stop ids compiles
+    a wider program, nothing is cut). Sequences mostly share a few id tuples: each is written once."""
+    rows = [ending_ids(s, eos_token_ids) for s in seqs]
+    distinct = {ids: i for i, ids in enumerate(dict.fromkeys([(), *rows]))}  # () -> row 0, all -1
+    table = np.full((len(distinct), max(MAX_SUPPRESS, _pow2(max(map(len, distinct))))), -1, np.int32)
+    for ids, i in distinct.items():
+        table[i, :len(ids)] = ids
+    index = np.fromiter((distinct[ids] for ids in rows), np.int64, len(rows))
+    return table[index if keep is None else np.where(keep, index, 0)]
 
 
-def suppress_width(seqs: list[Sequence], eos_token_ids: tuple[int, ...]) -> int:
-    """Columns of a step's suppressed and stop ids: `MAX_SUPPRESS`, or the next power of two that holds
-    every sequence's ending ids (a request with many stop ids compiles a wider program, nothing is cut)."""
-    return max(MAX_SUPPRESS, _pow2(max((len(ending_ids(s, eos_token_ids)) for s in seqs), default=0)))
+def _num_outputs_and_min_tokens(seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:
+    num_out = np.fromiter((len(s.token_ids) - s.num_prompt_tokens for s in seqs), np.int64, len(seqs))
+    return num_out, np.fromiter((s.params.min_tokens for s in seqs), np.int64, len(seqs))
 
 
 def _top_k(top_k: int) -> int:
@@ -118,12 +123,8 @@ def device_stops(seqs: list[Sequence], eos_token_ids: tuple[int, ...]) -> tuple[
     """Per sequence, for a device loop: how many more tokens keep its ending ids suppressed (`min_tokens`),
     and the ids that stop it (EOS unless ignored, its stop ids). Only lets the device stop early: the host
     applies every stop rule afterwards."""
-    suppress_steps = np.array([max(0, s.params.min_tokens - s.num_output_tokens) for s in seqs], np.int32)
-    stop_ids = np.full((len(seqs), suppress_width(seqs, eos_token_ids)), -1, np.int32)
-    for i, seq in enumerate(seqs):
-        ids = ending_ids(seq, eos_token_ids)
-        stop_ids[i, :len(ids)] = ids
-    return suppress_steps, stop_ids
+    num_out, min_tokens = _num_outputs_and_min_tokens(seqs)
+    return np.maximum(min_tokens - num_out, 0).astype(np.int32), ending_table(seqs, eos_token_ids)
 
 
 def build_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...],
@@ -156,10 +157,8 @@ def _plain_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...], *, room: 
     else:
         token_ids = np.concatenate([np.asarray(s.token_ids[a:a + n], np.int32) for s, a, n in zip(seqs, starts, counts)])
         positions = np.concatenate([np.arange(a, a + n, dtype=np.int32) for a, n in zip(starts, counts)])
-    suppress = np.full((len(seqs), suppress_width(seqs, eos_token_ids)), -1, np.int32)
-    for i, seq in enumerate(seqs):
-        ids = suppressed_ids(seq, eos_token_ids)
-        suppress[i, :len(ids)] = ids
+    num_out, min_tokens = _num_outputs_and_min_tokens(seqs)
+    suppress = ending_table(seqs, eos_token_ids, keep=num_out < min_tokens)  # until `min_tokens` are out
     target_ids = None
     if batch.is_prefill and any(s.wants_prompt_logprobs for s in seqs):
         target_ids = np.concatenate([
@@ -206,12 +205,10 @@ def build_verify_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...], dra
     positions = np.concatenate([np.arange(a, a + n, dtype=np.int32) for a, n in zip(starts, counts)])
     row_seq = np.repeat(np.arange(len(seqs)), counts)
     row_rank = np.arange(len(row_seq)) - np.repeat(np.cumsum(counts) - counts, counts)
-    suppress = np.full((len(row_seq), suppress_width(seqs, eos_token_ids)), -1, np.int32)
-    for r, (i, k) in enumerate(zip(row_seq, row_rank)):
-        seq = seqs[i]
-        if seq.num_output_tokens + (0 if multi_step else k) < seq.params.min_tokens:  # steps > 1: the device decides
-            ids = ending_ids(seq, eos_token_ids)
-            suppress[r, :len(ids)] = ids
+    num_out, min_tokens = _num_outputs_and_min_tokens(seqs)
+    ahead = 0 if multi_step else row_rank  # steps > 1: the device decides
+    suppress = ending_table(seqs, eos_token_ids)[row_seq]
+    suppress[num_out[row_seq] + ahead >= min_tokens[row_seq]] = -1
     multi: dict[str, np.ndarray] = {}
     if multi_step:
         if not device_drafts or rejection or len(set(counts.tolist())) != 1:

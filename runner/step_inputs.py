@@ -10,6 +10,7 @@ axis), and `ReplicaLayout` maps the padded outputs back to the engine's order.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Literal
 
 import jax
@@ -207,11 +208,11 @@ def pad_replicas(b: StepBatch, buckets: BucketConfig, block_size: int, num_repli
         padded_tokens = pick(buckets.token_buckets, most_tokens)
         rows = buckets.prefill_rows(padded_tokens)
         piece_len, num_pieces = buckets.query_block, buckets.prefill_pieces(padded_tokens)
-    pages = pick(buckets.page_buckets, max(-(-int(k) // block_size) for k in b.kv_lens))
+    pages = pick(buckets.page_buckets, -(-int(np.max(b.kv_lens)) // block_size))
     trim = b.logits_indices is not None and num_replicas == 1 and not on_mesh
     shape = _Shape(padded_tokens, rows, piece_len, num_pieces, pages, block_size, blocks_per_replica, trim)
     padded = [_pad_one(p, shape) for p, _, _ in parts]
-    stacked = jax.tree.map(lambda *xs: np.stack(xs), *padded)
+    stacked = jax.tree.map(lambda *xs: np.stack(xs) if len(xs) > 1 else xs[0][None], *padded)
     device_batch = dataclasses.replace(stacked, mode=np.int32(sampler_mode(b)))
     row_index = np.zeros(b.num_rows, np.int64)
     token_index = np.zeros(len(b.token_ids), np.int64)
@@ -247,14 +248,23 @@ def num_common_pages(table: np.ndarray, context_before_queries: np.ndarray, page
     return limit if bool(same.all()) else int(np.argmin(same))
 
 
+def block_table_array(block_tables: list[list[int]], width: int) -> np.ndarray:
+    """[S, width] the tables' first `width` block ids each, zero-padded (one flat copy, no per-row numpy call)."""
+    lengths = np.fromiter(map(len, block_tables), np.int64, len(block_tables))
+    flat = np.fromiter(itertools.chain.from_iterable(block_tables), np.int32, int(lengths.sum()))
+    rows = np.repeat(np.arange(len(block_tables)), lengths)
+    cols = np.arange(len(flat)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    table = np.zeros((len(block_tables), width), np.int32)
+    keep = cols < width
+    table[rows[keep], cols[keep]] = flat[keep]
+    return table
+
+
 def _pad_one(b: StepBatch, s: _Shape) -> DeviceBatch:
     """One replica's part padded to the bucket shape `s`, with its attention metadata."""
     page = s.block_size
     num_seqs, num_tokens = len(b.q_lens), len(b.token_ids)
-    table = np.zeros((num_seqs, s.pages), np.int32)
-    for i, blocks in enumerate(b.block_tables):
-        n = min(len(blocks), s.pages)
-        table[i, :n] = blocks[:n]
+    table = block_table_array(b.block_tables, s.pages)
 
     seq_of_token = np.repeat(np.arange(num_seqs), b.q_lens)
     pos = b.positions.astype(np.int64)
