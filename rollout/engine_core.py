@@ -31,7 +31,7 @@ from rollout.sequence import Sequence
 from rollout.speculator import Speculator, device_draft_slots
 from rollout.step_builder import build_ahead_step, build_step
 from rollout.tokenizer import Tokenizer
-from runner.model_runner import ModelRunner, PendingStep
+from runner.model_runner import ModelRunner, PendingStep, StepBatch
 from runner.spec_decode.eagle3_config import Eagle3Config
 
 NUM_RESUMABLE = 4096  # ended requests kept (newest first) so that `resume` can continue them
@@ -73,7 +73,8 @@ class EngineCore(PolicyUpdates):
         self.requests: dict[str, Request] = {}  # unfinished requests, and finished ones not yet reported
         self._ended: OrderedDict[str, Request] = OrderedDict()  # the last NUM_RESUMABLE ended requests
         self._deferred: list[RequestOutput] = []  # outputs a blocking client stepped past (see `generate`)
-        self._ahead: tuple[ScheduledBatch, PendingStep] | None = None  # a decode call launched ahead (async scheduling)
+        # a decode call launched ahead (async scheduling), with the inputs it was launched with
+        self._ahead: tuple[ScheduledBatch, PendingStep, StepBatch] | None = None
         self._in_step = False  # a step is running: weights may not change under it
         self._auto_ids = itertools.count()
         self._seq_ids = itertools.count()
@@ -225,8 +226,14 @@ class EngineCore(PolicyUpdates):
         the request is forgotten. A step that raises aborts the requests it had scheduled.
 
         With `EngineConfig.async_scheduling`, a multi-step decode call launches the next one before its
-        own tokens reach the host (the device feeds them), so the device runs while the host applies them."""
-        return self._report(self._execute(overlap=self.config.async_scheduling))
+        own tokens reach the host (the device feeds them), so the device runs while the host applies them.
+        A call launched ahead whose sequences all ended meanwhile (a stop id or EOS the host had not seen)
+        is collected at once: no request is left unfinished with a call in flight."""
+        outputs = self._report(self._execute(overlap=self.config.async_scheduling))
+        if self._ahead is not None and all(s.is_finished for s in self._ahead[0].seqs):
+            self._drain()
+            outputs, self._deferred = outputs + self._deferred, []
+        return outputs
 
     def _report(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """Outputs of the requests `batch` touched (and any deferred ones); finished requests are forgotten."""
@@ -251,13 +258,13 @@ class EngineCore(PolicyUpdates):
 
     def _execute(self, overlap: bool) -> ScheduledBatch:
         ahead, self._ahead = self._ahead, None
-        batch, pending = ahead if ahead is not None else (self.scheduler.schedule(), None)
+        batch, pending, step = ahead if ahead is not None else (self.scheduler.schedule(), None, None)
         if not batch.seqs:  # nothing to run (no requests): no device call
             return batch
         self._in_step = True
         try:
             start = time.perf_counter()
-            self._run(batch, pending, overlap)
+            self._run(batch, pending, step, overlap)
         except BaseException:
             seqs = batch.seqs + (self._ahead[0].seqs if self._ahead is not None else [])
             self._ahead = None
@@ -270,24 +277,24 @@ class EngineCore(PolicyUpdates):
         self.stats_.generate_seconds += time.perf_counter() - start
         return batch
 
-    def _run(self, batch: ScheduledBatch, pending: PendingStep | None, overlap: bool) -> None:
+    def _run(self, batch: ScheduledBatch, pending: PendingStep | None, step: StepBatch | None, overlap: bool) -> None:
         drafts = None
         start = time.perf_counter()  # a speculative step's time includes drafting (n-gram lookup, EAGLE head)
         before = sum(s.num_output_tokens for s in batch.seqs)
         if self.speculator is not None and pending is None:  # (no call is launched ahead with a speculator)
             batch, drafts = self.speculator.propose(batch)
         if pending is None:
-            pending = self.runner.launch(build_step(batch, self.eos_token_ids, drafts, rejection=self._rejection,
-                                                    multi_step=self.config.num_scheduler_steps > 1,
-                                                    device_drafts=self.runner.drafter is not None))
+            step = build_step(batch, self.eos_token_ids, drafts, rejection=self._rejection,
+                              multi_step=self.config.num_scheduler_steps > 1, device_drafts=self.runner.drafter is not None)
+            pending = self.runner.launch(step)
         # (a call launched ahead would not see the tokens its penalties and bad words must read)
         if overlap and pending.last_tokens is not None and drafts is None and not any(
                 s.reads_output for s in batch.seqs):
             planned = self.scheduler.schedule_ahead(batch)
             if planned is not None:
                 nxt, kept = planned
-                self._ahead = (nxt, self.runner.launch(build_ahead_step(
-                    nxt, [batch.num_new_tokens[i] for i in kept], pending.rows[kept], self.eos_token_ids), after=pending))
+                ahead_step = build_ahead_step(step, nxt, kept, pending.rows[kept], self.eos_token_ids)
+                self._ahead = (nxt, self.runner.launch(ahead_step, after=pending), ahead_step)
                 self.stats_.num_ahead_calls += 1
         result = self.runner.collect(pending)
         records, steps_run = self.outputs.apply(batch, result, drafts)

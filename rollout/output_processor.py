@@ -142,24 +142,27 @@ class OutputProcessor:
         ends = (hit | (t + 1 >= limit[None])) & (t < steps[None])
         finished = ends.any(0)
         counts = np.where(finished, ends.argmax(0) + 1, np.minimum(steps, tokens.shape[0]))
-        columns = tokens.T.tolist()
+        # flat lists, one per array: a list per sequence would keep hundreds of new containers alive at once,
+        # each pass over the batch then paying a garbage collection
+        columns = tokens.T.ravel().tolist()
         want_logprobs = [p.logprobs is not None for p in params]
-        logprobs = result.logprobs[:, rows].T.tolist() if any(want_logprobs) else None
-        ranks = result.ranks[:, rows].T.tolist() if any(want_logprobs) and result.ranks is not None else None
+        logprobs = result.logprobs[:, rows].T.ravel().tolist() if any(want_logprobs) else None
+        ranks = result.ranks[:, rows].T.ravel().tolist() if any(want_logprobs) and result.ranks is not None else None
         version = self.policy_version
         width = tokens.shape[0]
         for j, (seq, n, first, ends_now) in enumerate(zip(seqs, counts.tolist(), (num_out == 0).tolist(),
                                                            finished.tolist())):
             if first:  # its prompt's K/V is complete: its sibling samples may share it
                 self.scheduler.mark_prefilled(seq)
-            new = columns[j] if n == width else columns[j][:n]
+            at = j * width
+            new = columns[at:at + n]
             seq.token_ids += new
             seq.num_computed_tokens += n
             seq.output_versions += [version] * n
             if want_logprobs[j]:
-                seq.output_logprobs += logprobs[j][:n]
+                seq.output_logprobs += logprobs[at:at + n]
                 if ranks is not None:
-                    seq.output_ranks += ranks[j][:n]
+                    seq.output_ranks += ranks[at:at + n]
                 k = params[j].logprobs
                 seq.output_top += [(result.top_ids[i, rows[j], :k].tolist(),
                                     result.top_logprobs[i, rows[j], :k].tolist()) for i in range(n)] if k else [_NO_TOP] * n

@@ -173,17 +173,30 @@ def _plain_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...], *, room: 
         target_ids=target_ids, replicas=np.array([s.replica for s in seqs], np.int32))
 
 
-def build_ahead_step(batch: ScheduledBatch, done: list[int], prev_rows: np.ndarray,
+def build_ahead_step(prev: StepBatch, batch: ScheduledBatch, kept: list[int], prev_rows: np.ndarray,
                      eos_token_ids: tuple[int, ...]) -> StepBatch:
-    """The multi-step decode call after one still on the device (async scheduling): sequence i is
-    `done[i]` tokens further than the host knows, and its input token is its last token of the previous
-    call (`feed_rows`: its row there), fed on the device."""
-    step = build_step(batch, eos_token_ids, multi_step=True)
-    offsets = np.asarray(done, np.int32)
-    return dataclasses.replace(step, token_ids=np.zeros_like(step.token_ids), positions=step.positions + offsets,
-                               kv_lens=step.kv_lens + offsets,
-                               suppress_steps=np.maximum(step.suppress_steps - offsets, 0),
-                               feed_rows=np.asarray(prev_rows, np.int32))
+    """The multi-step decode call after `prev`, a multi-step decode call still on the device (async
+    scheduling): sequence i of `batch` is row `kept[i]` of `prev`, `prev.num_steps` tokens further than
+    `prev` started; its input token is its last token of `prev` (`feed_rows`: its row there), fed on the
+    device. Rows are taken from `prev`, not rebuilt per sequence: the settings are the sequence's own, and
+    a row's `suppress_ids` are its ending ids whenever `suppress_steps` still counts down (the device
+    applies them only then). Steps with logits processors are built from the sequences."""
+    index = np.asarray(kept, np.int64)
+    done = prev.num_steps[index]
+    params = [s.params for s in batch.seqs]
+    if prev.adjust is not None:
+        step = build_step(batch, eos_token_ids, multi_step=True)
+        return dataclasses.replace(step, token_ids=np.zeros_like(step.token_ids), positions=step.positions + done,
+                                   kv_lens=step.kv_lens + done, suppress_steps=np.maximum(step.suppress_steps - done, 0),
+                                   feed_rows=np.asarray(prev_rows, np.int32))
+    return dataclasses.replace(
+        prev, token_ids=np.zeros(len(index), np.int32), positions=prev.positions[index] + done,
+        q_lens=prev.q_lens[index], kv_lens=prev.kv_lens[index] + done, block_tables=[s.block_table for s in batch.seqs],
+        sampling=prev.sampling.take(index), suppress_ids=prev.suppress_ids[index],
+        num_top_logprobs=max((max(p.logprobs or 0, p.prompt_logprobs or 0) for p in params), default=0),
+        sampling_record=any(p.sampling_record for p in params), num_steps=np.asarray(batch.num_new_tokens, np.int32),
+        suppress_steps=np.maximum(prev.suppress_steps[index] - done, 0), stop_ids=prev.stop_ids[index],
+        feed_rows=np.asarray(prev_rows, np.int32), replicas=None if prev.replicas is None else prev.replicas[index])
 
 
 def build_verify_step(batch: ScheduledBatch, eos_token_ids: tuple[int, ...], drafts: list[np.ndarray],

@@ -127,6 +127,8 @@ def test_async_scheduling_changes_no_token() -> None:
                                stop_token_ids=[probe[0].outputs[0].token_ids[17]])
     params[2] = SamplingParams(temperature=0.9, seed=2, max_tokens=40, ignore_eos=True,
                                stop=[probe[1].outputs[0].text[20:22]])
+    # EOS masked over several calls launched ahead (min_tokens spans their suppress_steps)
+    params[4] = SamplingParams(temperature=0.9, seed=4, max_tokens=60, min_tokens=30, logprobs=1)
     outs = {}
     for overlap in (False, True):
         engine = Engine.from_model(model, ByteTokenizer(), **{**ENGINE_KW, "async_scheduling": overlap})
@@ -143,6 +145,7 @@ def test_async_scheduling_changes_no_token() -> None:
                 np.testing.assert_allclose(x.logprobs.values, y.logprobs.values, atol=1e-5)
             reasons.add((x.finish_reason, type(x.stop_reason).__name__))
     assert {("length", "NoneType"), ("stop", "NoneType"), ("stop", "int"), ("stop", "str")} <= reasons, reasons
+    assert len(outs[True][4].outputs[0].token_ids) >= 30
     # abort while a call is in flight: the other requests finish exactly as before
     engine = Engine.from_model(model, ByteTokenizer(), **ENGINE_KW)
     rids = [engine.add_request(p, sp) for p, sp in zip(prompts[:4], params[:4])]
