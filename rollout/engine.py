@@ -116,8 +116,10 @@ class Engine(EngineCore):
         call run alongside; their outputs of these steps are returned by the next `step()`."""
         prompts_list, params_list = normalize_requests(prompts, sampling_params)
         token_lists = [prompt_token_ids(p, sp, self.tokenizer, self._limits) for p, sp in zip(prompts_list, params_list)]
-        mine = [self._add(prompt if isinstance(prompt, str) else None, ids,
-                          dataclasses.replace(sp, output_kind="final_only"), self._check_request_id(None))
+        final_only = {key: dataclasses.replace(sp, output_kind="final_only")  # once per distinct object (it validates)
+                      for key, sp in {id(sp): sp for sp in params_list}.items()}
+        mine = [self._add(prompt if isinstance(prompt, str) else None, ids, final_only[id(sp)],
+                          self._check_request_id(None))
                 for prompt, ids, sp in zip(prompts_list, token_lists, params_list)]
         results: dict[str, RequestOutput] = {}
         wanted = set(mine)
