@@ -76,6 +76,11 @@ class EngineConfig:
     # the host (the device feeds them), so the device computes while the host applies the previous
     # call's tokens. Tokens are those of the synchronous order; work a stopped sequence's next call did is dropped.
     async_scheduling: bool = True
+    # After start-up, every object then alive goes to the garbage collector's permanent generation
+    # (`gc.freeze`, as vLLM does after its start-up), so the full collections a rollout's allocations
+    # trigger skip the model, the programs and the trainer's objects. Frozen objects are still freed by
+    # reference counting; reference cycles among them are collected when the next engine starts.
+    freeze_gc: bool = True
     # Staleness bound for asynchronous RL: at a weight sync, a running sample whose generation began more
     # than this many policy versions ago is aborted (its partial output returned, finish_reason "abort";
     # `policy_lag_action="abort"`) or recomputed under the new weights (its tokens kept; "recompute"),
@@ -104,7 +109,8 @@ class EngineConfig:
             raise ValueError(f"speculative k must be <= 7 (a verification row holds 8 tokens), got {self.speculative.k}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        for name in ("cpu_row_kernel", "cpu_amx", "async_scheduling", "enable_prefix_caching", "batch_invariant"):
+        for name in ("cpu_row_kernel", "cpu_amx", "async_scheduling", "enable_prefix_caching", "batch_invariant",
+                     "freeze_gc"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.cpu_amx_from_rows, int) or self.cpu_amx_from_rows < 1:

@@ -1,0 +1,86 @@
+"""The host's fast paths (issue: host overhead) against the plain code they replace: a call launched
+ahead takes the previous call's rows instead of rebuilding them, block tables are padded in one copy,
+and the engine freezes the collector's heap after start-up without keeping dead engines alive."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import weakref
+
+import numpy as np
+
+import rollout.engine_core as engine_core
+from rollout import Engine, SamplingParams
+from rollout.step_builder import build_step
+from runner.step_inputs import block_table_array
+from test_engine import ENGINE_KW, ByteTokenizer, make_model, rand_prompt
+
+
+def test_ahead_step_equals_the_rebuilt_step(monkeypatch) -> None:
+    """Every call launched ahead in a run with min_tokens, stop ids, logprobs, EOS and several lengths
+    carries what rebuilding it from the sequences gives, for every input the device reads."""
+    checked = []
+    derived = engine_core.build_ahead_step
+
+    def compare(prev, batch, kept, prev_rows, eos_token_ids):
+        step = derived(prev, batch, kept, prev_rows, eos_token_ids)
+        done = prev.num_steps[np.asarray(kept)]
+        fresh = build_step(batch, eos_token_ids, multi_step=True)
+        fresh = dataclasses.replace(fresh, positions=fresh.positions + done, kv_lens=fresh.kv_lens + done,
+                                    suppress_steps=np.maximum(fresh.suppress_steps - done, 0))
+        for name in ("positions", "kv_lens", "q_lens", "num_steps", "suppress_steps", "stop_ids", "replicas"):
+            np.testing.assert_array_equal(getattr(step, name), getattr(fresh, name), err_msg=name)
+        for name in ("temperature", "top_k", "top_p", "min_p", "seeds", "sample_index", "want_logprob"):
+            np.testing.assert_array_equal(getattr(step.sampling, name), getattr(fresh.sampling, name), err_msg=name)
+        # suppressed ids only count while suppress_steps does (the device masks them for those steps)
+        live = step.suppress_steps > 0
+        np.testing.assert_array_equal(step.suppress_ids[live], fresh.suppress_ids[live])
+        assert step.block_tables == fresh.block_tables and step.kind == "decode"
+        assert (step.num_top_logprobs, step.sampling_record) == (fresh.num_top_logprobs, fresh.sampling_record)
+        np.testing.assert_array_equal(step.feed_rows, np.asarray(prev_rows, np.int32))
+        checked.append(int(live.sum()))
+        return step
+
+    monkeypatch.setattr(engine_core, "build_ahead_step", compare)
+    rng = np.random.default_rng(7)
+    prompts = [rand_prompt(rng, int(n)) for n in rng.integers(3, 30, 8)]
+    params = [SamplingParams(temperature=[0.0, 0.8][i % 2], seed=i, max_tokens=int(rng.integers(20, 70)),
+                             min_tokens=[0, 12, 40][i % 3], logprobs=[None, 0, 2][i % 3],
+                             stop_token_ids=[5 + i] if i % 4 == 1 else None) for i in range(8)]
+    engine = Engine.from_model(make_model(3, eos_logit=1.0), ByteTokenizer(), **ENGINE_KW, freeze_gc=False)
+    engine.generate(prompts, params)
+    assert engine.stats().num_ahead_calls == len(checked) > 3
+    assert any(checked)  # some calls launched ahead still suppressed EOS (min_tokens)
+
+
+def test_block_table_array_pads_like_a_row_by_row_copy() -> None:
+    rng = np.random.default_rng(0)
+    tables = [list(rng.integers(0, 500, int(n))) for n in rng.integers(0, 12, 40)] + [[]]
+    for width in (1, 5, 12, 16):
+        want = np.zeros((len(tables), width), np.int32)
+        for i, blocks in enumerate(tables):
+            want[i, :min(len(blocks), width)] = blocks[:width]
+        np.testing.assert_array_equal(block_table_array(tables, width), want)
+    assert block_table_array([], 4).shape == (0, 4)
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_freeze_gc_freezes_the_heap_and_the_next_engine_collects_dead_cycles() -> None:
+    model = make_model(0)
+    gc.unfreeze()
+    Engine.from_model(model, ByteTokenizer(), **ENGINE_KW, freeze_gc=False)
+    assert gc.get_freeze_count() == 0
+    cycle = _Cycle()
+    ref = weakref.ref(cycle)
+    Engine.from_model(model, ByteTokenizer(), **ENGINE_KW)  # freezes `cycle` with everything else
+    assert gc.get_freeze_count() > 0
+    del cycle
+    gc.collect()
+    assert ref() is not None  # frozen: a full collection skips it
+    Engine.from_model(model, ByteTokenizer(), **ENGINE_KW)  # a new engine collects what died frozen
+    assert ref() is None and gc.get_freeze_count() > 0
