@@ -35,6 +35,7 @@ def _free_compiled_programs():
         from runner.executable_store import open_store
 
         open_store.cache_clear()  # the executables the process loaded or compiled for its store
+        gc.unfreeze()  # engines freeze the heap at start-up (EngineConfig.freeze_gc): dead ones must go too
         gc.collect()
         jax.clear_caches()
         gc.collect()
