@@ -63,18 +63,21 @@ def prompt_token_ids(prompt: Prompt, sp: SamplingParams, tokenizer: Tokenizer, l
             raise ValueError("empty prompt: give at least one character or token")
         ids = tokenizer.encode(prompt)
     elif isinstance(prompt, (list, tuple)):
-        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, (int, np.integer))]
-        if bad:
-            raise ValueError(f"prompt token ids must be integers, got {bad[0]!r} ({type(bad[0]).__name__}); "
-                             "pass text as a string, token ids as ints")
-        ids = [int(t) for t in prompt]
+        if set(map(type, prompt)) <= {int}:  # plain ints (the usual case), checked without a Python loop
+            ids = list(prompt)
+        else:
+            bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, (int, np.integer))]
+            if bad:
+                raise ValueError(f"prompt token ids must be integers, got {bad[0]!r} ({type(bad[0]).__name__}); "
+                                 "pass text as a string, token ids as ints")
+            ids = [int(t) for t in prompt]
     else:
         raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
     if not ids:
         raise ValueError("empty prompt: give at least one token")
     vocab = limits.vocab_size
-    bad = [t for t in ids if not 0 <= t < vocab]
-    if bad:
+    if min(ids) < 0 or max(ids) >= vocab:
+        bad = [t for t in ids if not 0 <= t < vocab]
         raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
     if len(ids) >= limits.max_model_len:
         raise ValueError(f"prompt of {len(ids)} tokens leaves no room to generate within max_model_len="
