@@ -111,6 +111,7 @@ class Scheduler:
                 self.block_manager.register_computed(seq, seq.num_computed_tokens + take)
         skipped: list[Sequence] = []
         prompt_in_step: set[int] = set()
+        num_running = collections.Counter(s.replica for s in self.running)  # per replica, kept up to date below
         while self.waiting and any(b > 0 for b in budgets):
             seq = self.waiting.popleft()
             if not self._admissible(seq, prompt_in_step):
@@ -121,11 +122,12 @@ class Scheduler:
                 seq.held = True
                 skipped.append(seq)
                 continue
-            replica = self._place(seq, budgets)
+            replica = self._place(seq, budgets, num_running)
             if replica is None:
                 self.waiting.appendleft(seq)
                 break
             seq.replica = replica
+            num_running[replica] += 1
             self.num_started += not seq.started
             seq.started = True
             self.block_manager.allocate(seq)
@@ -142,9 +144,8 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
         return ScheduledBatch(True, seqs, counts)
 
-    def _place(self, seq: Sequence, budgets: list[int]) -> int | None:
+    def _place(self, seq: Sequence, budgets: list[int], running: collections.Counter[int]) -> int | None:
         """The replica a waiting sequence joins: most cached prefix blocks, then fewest running; None = none fits."""
-        running = collections.Counter(s.replica for s in self.running)
         fits = [r for r in range(self.config.num_replicas)
                 if budgets[r] > 0 and running[r] < self.config.max_num_seqs and self.block_manager.can_allocate(seq, r)]
         if not fits:
