@@ -61,6 +61,9 @@ def test_a_stop_string_is_kept_when_asked(engine: Engine, model) -> None:
 @pytest.mark.parametrize("prompts, params, match", [
     ([1.5, 2.0], None, "token ids must be integers"),
     ([["1", "2"]], None, "token ids must be integers"),
+    ([[3, True]], None, "token ids must be integers"),  # a bool is an int to Python, not a token id
+    ([[3, -1]], None, "outside the vocabulary"),
+    ([[3, 10**6]], None, "outside the vocabulary"),
     (None, None, "prompts must be"),
     ([[3, 4]], {"temperature": 0.0}, "got a dict"),
 ])
