@@ -119,8 +119,8 @@ class Engine(EngineCore):
         call run alongside; their outputs of these steps are returned by the next `step()`."""
         prompts_list, params_list = normalize_requests(prompts, sampling_params)
         token_lists = [prompt_token_ids(p, sp, self.tokenizer, self._limits) for p, sp in zip(prompts_list, params_list)]
-        final_only = {key: dataclasses.replace(sp, output_kind="final_only")  # once per distinct object (it validates)
-                      for key, sp in {id(sp): sp for sp in params_list}.items()}
+        distinct = {id(sp): sp for sp in params_list}  # a copy validates itself: one per distinct object
+        final_only = {key: dataclasses.replace(sp, output_kind="final_only") for key, sp in distinct.items()}
         mine = [self._add(prompt if isinstance(prompt, str) else None, ids, final_only[id(sp)],
                           self._check_request_id(None))
                 for prompt, ids, sp in zip(prompts_list, token_lists, params_list)]

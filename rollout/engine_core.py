@@ -280,7 +280,7 @@ class EngineCore(PolicyUpdates):
     def _run(self, batch: ScheduledBatch, pending: PendingStep | None, step: StepBatch | None, overlap: bool) -> None:
         drafts = None
         start = time.perf_counter()  # a speculative step's time includes drafting (n-gram lookup, EAGLE head)
-        before = sum(s.num_output_tokens for s in batch.seqs)
+        before = self.outputs.num_generated
         if self.speculator is not None and pending is None:  # (no call is launched ahead with a speculator)
             batch, drafts = self.speculator.propose(batch)
         if pending is None:
@@ -310,4 +310,4 @@ class EngineCore(PolicyUpdates):
             self.speculator.record_step(len(batch.seqs), drafts is not None, time.perf_counter() - start,
                                         steps, verified=result.verified)
         self.stats_.record_step(batch)
-        self.stats_.generated_tokens += sum(s.num_output_tokens for s in batch.seqs) - before
+        self.stats_.generated_tokens += self.outputs.num_generated - before

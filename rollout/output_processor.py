@@ -8,7 +8,7 @@ import itertools
 import numpy as np
 
 from rollout.scheduler import ScheduledBatch, Scheduler
-from rollout.sequence import Sequence
+from rollout.sequence import Sequence, token_counts
 from rollout.step_builder import ending_table
 from rollout.tokenizer import Tokenizer
 from runner.model_runner import StepResult
@@ -39,6 +39,7 @@ class OutputProcessor:
         self.eos_ids_ordered = tuple(eos_token_ids)
         self.max_model_len = max_model_len
         self.policy_version: int | None = None  # recorded with every token appended
+        self.num_generated = 0  # tokens appended to outputs so far (the engine's stats read it)
 
     def apply(self, batch: ScheduledBatch, result: StepResult, drafts: list[np.ndarray] | None = None
               ) -> tuple[list[DraftRecord], int]:
@@ -131,8 +132,7 @@ class OutputProcessor:
     def _take_tokens(self, seqs: list[Sequence], rows: np.ndarray, steps: np.ndarray, result: StepResult) -> int:
         tokens = result.token_ids[:, rows]  # [T, L]
         t = np.arange(tokens.shape[0])[:, None]
-        num_tokens = np.fromiter(map(len, (s.token_ids for s in seqs)), np.int64, len(seqs))
-        num_out = num_tokens - np.fromiter((s.num_prompt_tokens for s in seqs), np.int64, len(seqs))
+        num_tokens, num_out = token_counts(seqs)
         params = [s.params for s in seqs]
         limit = np.minimum(np.fromiter((p.max_tokens for p in params), np.int64, len(seqs)) - num_out,
                            self.max_model_len - num_tokens)
@@ -176,6 +176,7 @@ class OutputProcessor:
                 else:
                     seq.finish_reason = "length"
                 self.scheduler.finish(seq)
+        self.num_generated += int(counts.sum())
         return int(counts.max(initial=0))
 
     def _walk(self, seq: Sequence, draft: np.ndarray, rows: _HostRows, step: int, row: int) -> tuple[bool, int]:
@@ -194,6 +195,7 @@ class OutputProcessor:
             self.scheduler.mark_prefilled(seq)
         token = rows.token_ids[step][row]
         seq.token_ids.append(token)
+        self.num_generated += 1
         seq.output_versions.append(self.policy_version)
         if seq.params.logprobs is not None:
             seq.output_logprobs.append(rows.logprobs[step][row])

@@ -20,7 +20,7 @@ import dataclasses
 import numpy as np
 
 from rollout.block_manager import BlockManager
-from rollout.sequence import Sequence, SequenceStatus
+from rollout.sequence import Sequence, SequenceStatus, token_counts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,8 +190,7 @@ class Scheduler:
         if batch.is_prefill or self.waiting or len(batch.seqs) != len(self.running) or cfg.decode_steps > 1:
             return None
         seqs, done = batch.seqs, np.asarray(batch.num_new_tokens, np.int64)
-        num_tokens = np.fromiter(map(len, (s.token_ids for s in seqs)), np.int64, len(seqs))
-        num_output = num_tokens - np.fromiter((s.num_prompt_tokens for s in seqs), np.int64, len(seqs))
+        num_tokens, num_output = token_counts(seqs)
         max_tokens = np.fromiter((s.params.max_tokens for s in seqs), np.int64, len(seqs))
         left = np.minimum(max_tokens - num_output, cfg.max_model_len - num_tokens) - done  # Sequence.max_new_tokens
         kept = np.flatnonzero(left > 0)

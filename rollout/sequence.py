@@ -101,3 +101,9 @@ class Sequence:
     @property
     def wants_prompt_logprobs(self) -> bool:
         return self.params.prompt_logprobs is not None
+
+
+def token_counts(seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:
+    """[S] each sequence's tokens (prompt + output) and output tokens, as arrays (one pass over `seqs`)."""
+    num_tokens = np.fromiter(map(len, (s.token_ids for s in seqs)), np.int64, len(seqs))
+    return num_tokens, num_tokens - np.fromiter((s.num_prompt_tokens for s in seqs), np.int64, len(seqs))

@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 
 from rollout.scheduler import ScheduledBatch
-from rollout.sequence import Sequence
+from rollout.sequence import Sequence, token_counts
 from runner.logits_processors import AdjustRows
 from runner.model_runner import MAX_SUPPRESS, StepBatch
 from runner.sampling_rows import SamplingRows
@@ -36,8 +36,7 @@ def ending_table(seqs: list[Sequence], eos_token_ids: tuple[int, ...], keep: np.
 
 
 def _num_outputs_and_min_tokens(seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:
-    num_out = np.fromiter((len(s.token_ids) - s.num_prompt_tokens for s in seqs), np.int64, len(seqs))
-    return num_out, np.fromiter((s.params.min_tokens for s in seqs), np.int64, len(seqs))
+    return token_counts(seqs)[1], np.fromiter((s.params.min_tokens for s in seqs), np.int64, len(seqs))
 
 
 def _top_k(top_k: int) -> int:

@@ -47,10 +47,12 @@ def test_ahead_step_equals_the_rebuilt_step(monkeypatch) -> None:
     prompts = [rand_prompt(rng, int(n)) for n in rng.integers(3, 30, 8)]
     params = [SamplingParams(temperature=[0.0, 0.8][i % 2], seed=i, max_tokens=int(rng.integers(20, 70)),
                              min_tokens=[0, 12, 40][i % 3], logprobs=[None, 0, 2][i % 3],
-                             stop_token_ids=[5 + i] if i % 4 == 1 else None) for i in range(8)]
+                             stop_token_ids=[5 + i] if i % 4 == 1 else None,
+                             stop=["~~"] if i == 2 else None) for i in range(8)]  # (token by token on the host)
     engine = Engine.from_model(make_model(3, eos_logit=1.0), ByteTokenizer(), **ENGINE_KW, freeze_gc=False)
-    engine.generate(prompts, params)
+    outs = engine.generate(prompts, params)
     assert engine.stats().num_ahead_calls == len(checked) > 3
+    assert engine.stats().generated_tokens == sum(len(c.token_ids) for out in outs for c in out.outputs)
     assert any(checked)  # some calls launched ahead still suppressed EOS (min_tokens)
 
 
