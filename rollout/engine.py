@@ -227,8 +227,8 @@ def _use_compilation_cache(config: EngineConfig) -> str | None:
 
 def freeze_heap() -> None:
     """Move every live object to the collector's permanent generation (`EngineConfig.freeze_gc`): a
-    full collection during a rollout then scans only what was made since (~5% of a B=256 `generate`
-    call on the tiny test model, docs/engineering-notes.md). Objects an earlier engine froze are
+    full collection during a rollout then scans only what was made since (docs/engineering-notes.md:
+    "Host work of a multi-step decode call"). Objects an earlier engine froze are
     unfrozen and collected first, so engines built one after another leave no garbage cycles behind."""
     gc.unfreeze()
     gc.collect()
