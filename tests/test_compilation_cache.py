@@ -32,7 +32,7 @@ programs = engine.warmup()
 outs = engine.generate([rand_prompt(np.random.default_rng(i), 9) for i in range(3)],
                        SamplingParams(temperature=0.8, seed=1, max_tokens=20, ignore_eos=True))
 print(json.dumps(dict(programs=programs, compilations=num_compilations() - before, hits=len(hits),
-                      loaded=engine.runner.num_loaded_programs,
+                      loaded=engine.runner.num_loaded_programs, repacks=int(engine.runner.backend.packs_weights),
                       tokens=[o.outputs[0].token_ids for o in outs])))
 """
 
@@ -48,19 +48,22 @@ def test_a_second_process_loads_the_step_programs(tmp_path: Path) -> None:
     first, second = runs = [run(), run()]
     assert first["tokens"] == second["tokens"]
     # every step program the first process compiled, the second loads as an executable (no trace, no
-    # compile); the weight repacking comes from JAX's persistent cache (the rest of `compilations` is the
-    # model's random initialisation and eager ops, too quick to be cached)
+    # compile); a backend that packs weights (AMX on a CPU that has it; none on one without) has one more
+    # program, the repacking a weight sync runs, which comes from JAX's persistent cache (the rest of
+    # `compilations` is the model's random initialisation and eager ops, too quick to be cached)
+    repacks = first["repacks"]
+    assert repacks == second["repacks"] in (0, 1), runs
     assert first["hits"] == 0 and first["loaded"] == 0 and first["programs"] > 5, runs
-    assert second["loaded"] == first["programs"] - 1 and second["hits"] >= 1, runs
+    assert second["loaded"] == first["programs"] - repacks and second["hits"] >= repacks, runs
     assert second["compilations"] <= first["compilations"] - second["loaded"], runs
     stored = sorted((tmp_path / "cache" / "executables").glob("*.exe"))
-    assert len(stored) == first["programs"] - 1
+    assert len(stored) == first["programs"] - repacks
     # JAX's persistent cache filled but no executables: they are compiled afresh (an executable loaded
     # from JAX's cache serializes without some of its kernels), and the next process runs them
     for path in stored:
         path.unlink()
     refill, third = run(), run()
-    assert refill["tokens"] == third["tokens"] == first["tokens"] and third["loaded"] == first["programs"] - 1
+    assert refill["tokens"] == third["tokens"] == first["tokens"] and third["loaded"] == first["programs"] - repacks
 
 
 @pytest.mark.parametrize("bad", ["", 3, b"dir"])
