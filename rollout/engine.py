@@ -19,15 +19,9 @@ from rollout.rollout_batch import build_rollout_batch, build_trajectory_batch
 from rollout.sampling_params import SamplingParams
 from rollout.tokenizer import Tokenizer, load_tokenizer
 from rollout.trajectory import Trajectory
-from runner.backends import select_backend
-from runner.buckets import BucketConfig
+from runner.build import build_runner
 from runner.compilation_cache import default_cache_dir, enable_compilation_cache, executables_dir
 from runner.compile_counter import num_compilations
-from runner.kv_cache import KVCacheSpec
-from runner.model_runner import ModelRunner
-from runner.spec_decode.eagle3_checkpoint import load_eagle3_head
-from runner.spec_decode.eagle3_config import Eagle3Config
-from runner.models.head_layout import with_head_layout
 from runner.models.family import CausalLM
 from runner.models.loader import load_model
 from runner.sharding import make_mesh
@@ -43,44 +37,12 @@ class Engine(EngineCore):
                  mesh: Mesh | tuple[int, int] | None = None) -> None:
         cache_dir = _use_compilation_cache(config)
         device_mesh = make_mesh(mesh)
-        model = with_head_layout(model, device_mesh.shape["model"])  # whole heads on every device
-        cfg = model.config
-        if config.record_routed_experts and not cfg.moe_layers:
+        if config.record_routed_experts and not model.config.moe_layers:
             raise ValueError("record_routed_experts needs a mixture-of-experts model; this one has no routed-experts "
                              "layers (leave it False)")
-        self.model_config = cfg
-        block_size = config.block_size
-        num_replicas = device_mesh.shape["data"]  # data parallel: each replica has its own KV blocks and budgets
-        max_pages = -(-config.max_model_len // block_size)
-        num_blocks = config.kv_cache_blocks
-        if num_blocks is None and config.kv_cache_memory_bytes is None:
-            num_blocks = config.max_num_seqs * max_pages
-        kv_spec = KVCacheSpec.for_model(cfg, block_size=block_size, num_blocks=num_blocks,
-                                        memory_bytes=config.kv_cache_memory_bytes)
-        if kv_spec.num_blocks < max_pages:
-            raise ValueError(f"the KV cache ({kv_spec.num_blocks} blocks of {block_size}) cannot hold one sequence "
-                             f"of max_model_len={config.max_model_len}; give at least {max_pages} blocks")
-        kv_spec = dataclasses.replace(kv_spec, num_blocks=kv_spec.num_blocks * num_replicas, num_replicas=num_replicas)
-        spec = config.speculative
-        backend = select_backend(config.backend, device_mesh, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
-                                 cache_dtype=kv_spec.dtype, attention_backend=config.attention_backend,
-                                 cpu_row_kernel=config.cpu_row_kernel, cpu_amx=config.cpu_amx,
-                                 cpu_amx_from_rows=config.cpu_amx_from_rows, batch_invariant=config.batch_invariant)
-        min_seqs, min_tokens = backend.min_buckets  # the smallest padded shapes worth compiling (TPU: its tile)
-        buckets = BucketConfig(config.max_num_seqs, config.max_num_batched_tokens, max_pages,
-                               min_seqs=min_seqs, min_tokens=min(min_tokens, config.max_num_batched_tokens),
-                               verify_rows=spec.k + 1 if spec is not None else 0)
-        draft_head, verify_steps = None, spec.num_verify_steps if isinstance(spec, Eagle3Config) else 1
-        if isinstance(spec, Eagle3Config):
-            draft_head = load_eagle3_head(spec.path, cfg, aux_layer_ids=spec.aux_layer_ids)
-        runner = ModelRunner(model, kv_spec, buckets, max_logprobs=config.max_logprobs if config.max_logprobs >= 0 else 20,
-                             max_kept_ids=config.max_kept_ids, mesh=device_mesh,
-                             backend=backend, draft_head=draft_head,
-                             num_scheduler_steps=config.num_scheduler_steps,
-                             draft_min_confidence=spec.min_confidence if isinstance(spec, Eagle3Config) else 0.0,
-                             num_verify_steps=verify_steps,
-                             executable_dir=None if cache_dir is None else executables_dir(cache_dir),
-                             record_routing=config.record_routed_experts)
+        runner = build_runner(model, device_mesh, config.runner_options(
+            None if cache_dir is None else executables_dir(cache_dir)))
+        cfg = self.model_config = runner.config
         super().__init__(runner, tokenizer, config,
                          eos_token_ids=tuple(dict.fromkeys([*cfg.eos_token_ids, *tokenizer.eos_token_ids])))
         self._compiles_at_start = num_compilations()
@@ -212,6 +174,7 @@ class Engine(EngineCore):
             num_compilations=num_compilations() - self._compiles_at_start,
             backend=backend.name, cpu_row_kernel=backend.matmul, cpu_amx=backend.amx, attention_impl=backend.attention,
             cpu_bf16_matmul=backend.bf16_matmul, batch_invariant=backend.batch_invariant,
+            attention_kernel=backend.attention_kernel,
             speculative=dataclasses.replace(self.speculator.stats) if self.speculator is not None else None)
 
 

@@ -8,6 +8,7 @@ from rollout.scheduler import ScheduledBatch
 from rollout.speculator import SpecStats
 from runner.attention import ATTENTION_IMPLS
 from runner.backends import BACKENDS
+from runner.build import RunnerOptions
 from runner.spec_decode.eagle3_config import Eagle3Config
 from runner.spec_decode.ngram import NgramConfig
 
@@ -147,6 +148,22 @@ class EngineConfig:
             raise ValueError(f"compilation_cache_dir must be 'auto', a folder or None, got {self.compilation_cache_dir!r}")
 
 
+    def runner_options(self, executable_dir: str | None) -> RunnerOptions:
+        """The runner's share of this config (`runner.build.build_runner`); `executable_dir`: where its
+        compiled step programs are stored (None: not stored)."""
+        spec = self.speculative
+        return RunnerOptions(
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len, block_size=self.block_size, kv_cache_blocks=self.kv_cache_blocks,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes, backend=self.backend,
+            attention_backend=self.attention_backend, cpu_row_kernel=self.cpu_row_kernel, cpu_amx=self.cpu_amx,
+            cpu_amx_from_rows=self.cpu_amx_from_rows, batch_invariant=self.batch_invariant,
+            max_logprobs=self.max_logprobs if self.max_logprobs >= 0 else 20, max_kept_ids=self.max_kept_ids,
+            num_scheduler_steps=self.num_scheduler_steps, speculative_k=spec.k if spec is not None else 0,
+            eagle3=spec if isinstance(spec, Eagle3Config) else None, executable_dir=executable_dir,
+            record_routing=self.record_routed_experts)
+
+
 @dataclasses.dataclass
 class EngineStats:
     """Counters since the engine was built."""
@@ -176,6 +193,9 @@ class EngineStats:
     cpu_amx: str = ""
     cpu_bf16_matmul: str = ""  # a bfloat16 model's matmuls: "ok: AMX tiles" / "ok: AVX512_BF16 ..." or why XLA's dot
     attention_impl: str = ""  # the attention kernel of decode / verification steps (runner.attention.ATTENTION_IMPLS)
+    # the TPU ragged kernel's shapes (the model's heads, or what is zero-padded and the cache's cost) and its
+    # block sizes per chip generation (`runner.tpu_attention`); "" where the kernel does not run
+    attention_kernel: str = ""
     batch_invariant: str = ""  # "on: ..." (which kernels sum each row alike) or "off" (`EngineConfig.batch_invariant`)
 
     @property

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from runner.tpu_attention import BlockSizes, INTERPRET_BLOCKS, pad_kv_rows, tpu_ragged_attention
 from runner.ragged_attention import (  # noqa: F401  (re-exported: the kernel's constants and entry point)
     MASK_VALUE, MULTIPLY_REDUCE_MAX_ROWS, PIECES_PER_GROUP, cache_geometry, cache_values, ragged_paged_attention,
     soft_capped)
@@ -43,12 +44,12 @@ class AttentionMetadata:
     # whose row count is bucketed by tokens, not sequences); off under vmap, where a switch runs every branch
     trim_rows: bool = dataclasses.field(metadata=dict(static=True), default=False)
     impl: str = dataclasses.field(metadata=dict(static=True), default="jax")  # one of ATTENTION_IMPLS
+    # the TPU ragged kernel's tiling on this chip generation (`runner.tpu_attention.BLOCK_SIZES`)
+    tpu_blocks: BlockSizes = dataclasses.field(metadata=dict(static=True), default=INTERPRET_BLOCKS)
 
 
 ATTENTION_IMPLS = ("jax", "cpu_kernel", "pallas_gpu", "pallas_gpu_interpret", "pallas_tpu", "pallas_tpu_interpret",
                    "tpu_ragged", "tpu_ragged_interpret", "tpu_ragged_jax")
-# impls whose KV cache is laid out for JAX's TPU `ragged_paged_attention` kernel: `[P, page, 2 * Hkv, D]`
-TPU_LAYOUT_IMPLS = ("tpu_ragged", "tpu_ragged_interpret", "tpu_ragged_jax")
 
 
 def paged_attention(
@@ -59,6 +60,7 @@ def paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    num_kv_heads: int | None = None,
 ) -> Float[Array, "T Hq D"]:
     """The engine's one attention boundary: `md.impl` picks the kernel.
 
@@ -78,12 +80,15 @@ def paged_attention(
     (prefill, chunked prefill, decode, verification; windows and soft-caps included) to JAX's Pallas
     TPU `ragged_paged_attention` ("tpu_ragged"; "tpu_ragged_interpret" in interpret mode) or to the
     pure-JAX version over that layout ("tpu_ragged_jax", the reference). No cascade there: the kernel
-    has none. A cache in the engine's layout (an EAGLE-3 head's) under those impls runs pure JAX.
+    has none. A cache in the engine's layout (an EAGLE-3 head's) under those impls runs pure JAX. That
+    cache may be zero-padded for the kernel (more KV heads, a wider head_dim: `runner.tpu_attention`);
+    `num_kv_heads` is the model's own count (default: the cache's).
     """
     if md.impl not in ATTENTION_IMPLS:
         raise ValueError(f"unknown attention impl {md.impl!r}; choose one of {ATTENTION_IMPLS}")
     if kv_pages.ndim == 4:
-        return _tpu_ragged(queries, kv_pages, md, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+        return _tpu_ragged(queries, kv_pages, md, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                           num_kv_heads=kv_pages.shape[2] // 2 if num_kv_heads is None else num_kv_heads)
     if sliding_window is not None or soft_cap is not None:
         return ragged_paged_attention(
             queries, kv_pages, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs, sm_scale=sm_scale,
@@ -105,26 +110,24 @@ def paged_attention(
 
 def _tpu_ragged(
     queries: Float[Array, "T Hq D"],
-    kv_pages: Float[Array, "P page 2Hkv D"],
+    kv_pages: Float[Array, "P page 2Hkv Dp"],
     md: AttentionMetadata,
     *,
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
+    num_kv_heads: int,
 ) -> Float[Array, "T Hq D"]:
-    """Every step over a cache in the TPU ragged layout: the Pallas kernel, or the pure-JAX reference."""
+    """Every step over a cache in the TPU ragged layout: the Pallas kernel (compiled, or in the generic
+    interpreter), or the pure-JAX reference."""
     if md.impl in ("tpu_ragged", "tpu_ragged_interpret"):
-        from jax.experimental.pallas import tpu as pltpu
-        from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention as tpu_kernel
-
-        interpret = md.impl.endswith("_interpret")
-        # On a TPU the kernel picks its block sizes from a table keyed by TPU generation; off one, fixed ones.
-        blocks = (dict(num_kv_pages_per_block=_largest_divisor(md.page_indices.shape[1], (8, 4, 2, 1)),
-                       num_queries_per_block=8) if interpret else {})
-        with pltpu.force_tpu_interpret_mode() if interpret else contextlib.nullcontext():
-            out = tpu_kernel(queries, kv_pages, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
-                             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, **blocks)
-        return out.astype(queries.dtype)
+        return tpu_ragged_attention(queries, kv_pages, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
+                                    num_kv_heads=num_kv_heads, sm_scale=sm_scale, sliding_window=sliding_window,
+                                    soft_cap=soft_cap, blocks=md.tpu_blocks,
+                                    interpret=md.impl.endswith("_interpret"))
+    num_q_heads, head_dim = queries.shape[1:]
+    if kv_pages.shape[2] != 2 * num_kv_heads or kv_pages.shape[3] != head_dim:  # a cache padded for the kernel
+        kv_pages = kv_pages[:, :, :2 * num_kv_heads, :head_dim]
     return ragged_paged_attention(queries, kv_pages, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
                                   sm_scale=sm_scale, max_q_len=md.max_q_len, trim_rows=md.trim_rows,
                                   sliding_window=sliding_window, soft_cap=soft_cap)
@@ -188,8 +191,8 @@ def write_kv(
     slot_mapping: Int[Array, "T"],
 ) -> Float[Array, "2 Hkv P page D"]:
     """Scatter this step's K and V into their slots; out-of-range slots are dropped. A cache in the TPU
-    ragged layout (`[P, page, 2 * Hkv, D]`) takes K of head h at 2h and V at 2h + 1; a uint16 cache
-    holds bfloat16 bits (`cache_values`).
+    ragged layout (`[P, page, 2 * Hkv, D]`) takes K of head h at 2h and V at 2h + 1 (zeros in the heads
+    and lanes of a cache padded for the kernel); a uint16 cache holds bfloat16 bits (`cache_values`).
 
     One scatter of `head_dim` rows indexed by (page, offset), with the K/V and head axes as explicit
     batching dimensions: XLA:CPU updates the cache in place (a scatter along an inner axis made it
@@ -201,6 +204,7 @@ def write_kv(
         num_pages, page_size, combined, head_dim = kv_pages.shape
         in_range = (slot_mapping >= 0) & (slot_mapping < num_pages * page_size)
         page = jnp.where(in_range, slot_mapping // page_size, num_pages)  # past the last page: dropped
+        k, v = (pad_kv_rows(x, combined // 2, head_dim) for x in (k, v))  # a cache padded for the kernel
         updates = cache_values(jnp.stack([k, v], axis=2).reshape(k.shape[0], combined, head_dim), kv_pages.dtype)
         return kv_pages.at[page, slot_mapping % page_size].set(updates, mode="drop")
     two, num_kv_heads, num_pages, page_size, _ = kv_pages.shape

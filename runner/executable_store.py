@@ -25,6 +25,7 @@ an executable some other compile loaded; a per-thread count of JAX's cache-hit e
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -137,6 +138,21 @@ class ExecutableStore:
         os.replace(tmp, self._path(key))
 
 
+def abstract_put(x: object, sharding: jax.sharding.Sharding) -> jax.ShapeDtypeStruct:
+    """`x`'s shape and dtype with `sharding`: what an abstract runner holds instead of an array."""
+    return jax.ShapeDtypeStruct(tuple(x.shape), x.dtype, sharding=sharding)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledProgram:
+    """One program an abstract runner compiled: its name, static arguments and the executable."""
+
+    name: str
+    static: tuple[tuple[str, object], ...]
+    input_shapes: str  # the varying inputs' shapes and dtypes (`describe_arrays`)
+    compiled: jax.stages.Compiled
+
+
 class StoredProgram:
     """One jitted program of one runner, called through compiled executables looked up per (static
     arguments, input shapes).
@@ -147,7 +163,9 @@ class StoredProgram:
     """
 
     def __init__(self, jitted: Callable[..., object], name: str, num_fixed: int, devices: Sequence[jax.Device],
-                 store: ExecutableStore | None) -> None:
+                 store: ExecutableStore | None, abstract: bool = False) -> None:
+        """`abstract`: the arguments are `jax.ShapeDtypeStruct`s; a call compiles (once per key), records
+        the program in `compiled_programs` and returns the outputs' shapes, running nothing."""
         self.jitted = jitted
         self.name = name
         self.num_fixed = num_fixed
@@ -156,6 +174,8 @@ class StoredProgram:
         self.identity = ""
         self.num_loaded = 0  # executables read from the store (the rest were compiled)
         self._compiled: dict[tuple[object, ...], jax.stages.Compiled] = {}
+        self.abstract = abstract
+        self.compiled_programs: list[CompiledProgram] = []
 
     def set_identity(self, graph: str, fixed_args: Sequence[object]) -> None:
         """What the program is besides its varying inputs: the model graph and the fixed arguments."""
@@ -168,7 +188,10 @@ class StoredProgram:
         compiled = self._compiled.get(key)
         if compiled is None:
             compiled = self._compiled[key] = self._load_or_compile(key, args, static)
-        return compiled(*args)
+            if self.abstract:
+                self.compiled_programs.append(CompiledProgram(self.name, key[1], describe_arrays(list(args[self.num_fixed:])),
+                                                              compiled))
+        return compiled.out_info if self.abstract else compiled(*args)
 
     def _load_or_compile(self, key: tuple[object, ...], args: tuple[object, ...],
                          static: dict[str, object]) -> jax.stages.Compiled:

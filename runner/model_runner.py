@@ -32,7 +32,7 @@ from runner.spec_decode.eagle3_drafter import Eagle3Drafter
 from runner.spec_decode.eagle3_launch import launch_draft_verify, launch_draft_verify_steps
 from runner.step_inputs import (  # noqa: F401  (StepBatch, MAX_SUPPRESS: re-exported for the engine)
     MAX_SUPPRESS, DeviceBatch, StepBatch, pad_replicas)
-from runner.executable_store import StoredProgram, open_store
+from runner.executable_store import CompiledProgram, StoredProgram, abstract_put, open_store
 from runner.step_program import compiled_chunk, compiled_step
 from runner.step_result import PendingStep, StepResult, sampled_rows  # noqa: F401  (re-exported)
 from runner.warmup_steps import DummySteps
@@ -46,7 +46,7 @@ class ModelRunner:
                  backend: Backend | None = None,
                  draft_head: Eagle3Head | None = None, num_scheduler_steps: int = 1,
                  draft_min_confidence: float = 0.0, num_verify_steps: int = 1,
-                 executable_dir: str | None = None, record_routing: bool = False) -> None:
+                 executable_dir: str | None = None, record_routing: bool = False, abstract: bool = False) -> None:
         """`draft_min_confidence > 0`: a verification step whose sequences' first drafts all have a lower
         probability under the head decodes plainly in the same program (`Eagle3Drafter.verify`).
         `num_verify_steps > 1`: with a draft head, verification may also run up to that many
@@ -54,7 +54,10 @@ class ModelRunner:
         reference backend, pure JAX) owns the kernel choices (`runner.backends.select_backend`).
         `executable_dir`: where the step programs' compiled executables are stored and loaded
         (`runner.executable_store`); None compiles them in every process. `record_routing`: every step
-        returns each computed token's experts in every routed-experts layer (`StepResult.routed_experts`)."""
+        returns each computed token's experts in every routed-experts layer (`StepResult.routed_experts`).
+        `abstract`: the model and the runner's state are shapes and shardings only (`jax.ShapeDtypeStruct`,
+        on devices that need not exist: a TPU topology's); `launch` compiles instead of running, and
+        `warmup()` compiles every program ahead of time (`compiled_programs`)."""
         if not 0.0 <= draft_min_confidence <= 1.0:
             raise ValueError(f"draft_min_confidence must be in [0, 1], got {draft_min_confidence}")
         self.draft_min_confidence = draft_min_confidence
@@ -64,6 +67,9 @@ class ModelRunner:
         if num_verify_steps < 1 or (num_verify_steps > 1 and draft_head is None):
             raise ValueError(f"num_verify_steps must be >= 1 and 1 without a draft head, got {num_verify_steps}")
         self.num_verify_steps = num_verify_steps
+        if abstract and (draft_head is not None or (backend is not None and backend.packs_weights)):
+            raise ValueError("an abstract runner takes no draft head and no backend that packs weights")
+        self.abstract = abstract
         if record_routing and (not model.config.moe_layers or draft_head is not None):
             raise ValueError("record_routing needs a mixture-of-experts model and no EAGLE-3 head")
         self.record_routing = record_routing
@@ -73,35 +79,39 @@ class ModelRunner:
         draft_head = None if draft_head is None else self.backend.prepare(draft_head, pack=False)
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         self.attention_impl = self.backend.attention_impl
+        self._md_fields = self.backend.metadata_fields()  # the static attention fields of every step
         if kv_spec.num_replicas != self.mesh.shape["data"]:
             raise ValueError(f"the KV cache has {kv_spec.num_replicas} replica(s) but the mesh's data axis is "
                              f"{self.mesh.shape['data']}")
         self.graphdef = graphdef
         defs = (jax.tree.structure(params), jax.tree.structure(rest))
-        kv_shape = self.backend.kv_cache_shape(kv_spec.shape)
+        kv_shape = self.backend.kv_cache_shape(kv_spec.shape, self.backend.kv_cache_dtype(kv_spec.dtype),
+                                               model.config.num_attention_heads)
         kv_sharding = kv_cache_sharding(kv_shape, self.mesh)
         pinned = kv_sharding if self.mesh.size > 1 else None
         store = open_store(executable_dir) if executable_dir is not None else None
         devices = tuple(self.mesh.devices.flat)
         # looked up once: hashing a GraphDef per step costs ~10 ms
-        self._step_fn = StoredProgram(compiled_step(graphdef, *defs, pinned), "step", 3, devices, store)
-        self._chunk_fn = StoredProgram(compiled_chunk(graphdef, *defs, pinned), "chunk", 3, devices, store)
+        self._step_fn = StoredProgram(compiled_step(graphdef, *defs, pinned), "step", 3, devices, store, abstract)
+        self._chunk_fn = StoredProgram(compiled_chunk(graphdef, *defs, pinned), "chunk", 3, devices, store, abstract)
         self._graph = f"{graphdef!r}|{defs}|{pinned}"
         # The runner owns its copy (a trainer may update or donate its arrays at any time), laid out
         # by the sharding rules. `device_put(may_alias=False)` copies in the runtime: `x.copy()` compiled
         # (or loaded from the persistent cache) a program per parameter shape, ~1 s of each start.
-        self.params = shard_params(jax.tree.map(lambda x: jax.device_put(x, may_alias=False), params), self.mesh,
-                                   get_family(model.config.family).logical_axes)
-        self.rest = jax.device_put(jax.tree.map(lambda x: jax.device_put(x, may_alias=False), rest),
-                                   NamedSharding(self.mesh, PartitionSpec()))
+        put = abstract_put if abstract else jax.device_put
+        copy = (lambda x: x) if abstract else (lambda x: jax.device_put(x, may_alias=False))  # noqa: E731
+        self.params = shard_params(jax.tree.map(copy, params), self.mesh, get_family(model.config.family).logical_axes,
+                                   put=put)
+        self._scalar_sharding = NamedSharding(self.mesh, PartitionSpec())
+        self.rest = jax.tree.map(lambda x: put(copy(x), self._scalar_sharding), rest)
         self.kv_spec = kv_spec
         self._kv_layout = (kv_shape, self.backend.kv_cache_dtype(kv_spec.dtype), kv_spec.num_layers, kv_sharding)
-        self.kv_caches: KVCaches | None = allocate_kv_caches(*self._kv_layout)  # None while released
+        self.kv_caches: KVCaches | None = (  # None while released
+            tuple(jax.ShapeDtypeStruct(kv_shape, self._kv_layout[1], sharding=kv_sharding)
+                  for _ in range(kv_spec.num_layers)) if abstract else allocate_kv_caches(*self._kv_layout))
         self._offloaded: tuple[list[np.ndarray], list[np.ndarray]] | None = None  # weights on the host (`release`)
-        self._scalar_sharding = NamedSharding(self.mesh, PartitionSpec())
         # what a multi-step decode call reads its fed tokens from when none are fed (fixed size: every bucket fits)
-        self._no_feed = jax.device_put(jnp.zeros(kv_spec.num_replicas * max(buckets.seq_buckets), jnp.int32),
-                                       self._scalar_sharding)
+        self._no_feed = put(np.zeros(kv_spec.num_replicas * max(buckets.seq_buckets), np.int32), self._scalar_sharding)
         self._input_sharding = (self._scalar_sharding if kv_spec.num_replicas == 1
                                 else NamedSharding(self.mesh, PartitionSpec("data")))
         self.buckets = buckets
@@ -139,13 +149,13 @@ class ModelRunner:
         spec = self.kv_spec
         padded, layout = pad_replicas(batch, self.buckets, spec.block_size, spec.num_replicas, spec.blocks_per_replica,
                                       on_mesh=self.mesh.size > 1)
-        if self.attention_impl != "jax":
-            padded = dataclasses.replace(padded, md=dataclasses.replace(padded.md, impl=self.attention_impl))
-        if self.mesh.size == 1:  # numpy straight into the call(s): cheaper than a device_put of ~20 small arrays
+        if self._md_fields != {"impl": "jax"}:
+            padded = dataclasses.replace(padded, md=dataclasses.replace(padded.md, **self._md_fields))
+        if self.mesh.size == 1 and not self.abstract:  # numpy straight into the call(s): cheaper than a device_put
             device_batch = padded
         else:
             shardings = jax.tree.map(lambda x: self._input_sharding if np.ndim(x) else self._scalar_sharding, padded)
-            device_batch = jax.device_put(padded, shardings)
+            device_batch = jax.tree.map(abstract_put if self.abstract else jax.device_put, padded, shardings)
         leaves = self._leaves()
         # two program sizes: the engine's usual top logprobs, and the whole vocabulary (`logprobs=-1`) past it
         k = batch.num_top_logprobs
@@ -224,6 +234,11 @@ class ModelRunner:
             self.drafter.set_identity(fixed[:2], self.kv_caches)
 
     @property
+    def compiled_programs(self) -> list[CompiledProgram]:
+        """The programs an abstract runner compiled (`warmup`), in order."""
+        return [*self._step_fn.compiled_programs, *self._chunk_fn.compiled_programs]
+
+    @property
     def num_loaded_programs(self) -> int:
         """Step programs this runner loaded (from the executable store or another runner), not compiled."""
         return (self._step_fn.num_loaded + self._chunk_fn.num_loaded
@@ -282,6 +297,11 @@ class ModelRunner:
         of rejection-sampling verification.
         """
         count = 0
+        if self.abstract:  # compile each program for the mesh's devices, run none
+            for step in self.dummy_steps.every_bucket(prompt_logprobs=prompt_logprobs, speculative_k=speculative_k,
+                                                      rejection=rejection):
+                self.launch(step)
+            return len(self.compiled_programs)
         if self._repack is not None:  # the repacking program a weight sync runs
             self.rest = self._repack(self.params, self.rest)
             count += 1

@@ -63,11 +63,12 @@ def kv_cache_sharding(shape: tuple[int, ...], mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, spec_for(shape, TPU_KV_CACHE_AXES if len(shape) == 5 else KV_CACHE_AXES, mesh))
 
 
-def shard_params(params: object, mesh: Mesh, logical_axes: Callable[[str], tuple[str | None, ...]]) -> object:
+def shard_params(params: object, mesh: Mesh, logical_axes: Callable[[str], tuple[str | None, ...]],
+                 put: Callable[[jax.Array, NamedSharding], jax.Array] = jax.device_put) -> object:
     """`params` (an nnx.State or any tree of arrays) placed on `mesh` by the logical axes of each path
-    (a family's `ModelFamily.logical_axes`)."""
+    (a family's `ModelFamily.logical_axes`) with `put` (an abstract runner's gives shapes and shardings)."""
     def place(path: tuple, x: jax.Array) -> jax.Array:
         name = ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
         name = name.replace(".value", "")
-        return jax.device_put(x, param_sharding(logical_axes(name), tuple(x.shape), mesh))
+        return put(x, param_sharding(logical_axes(name), tuple(x.shape), mesh))
     return jax.tree_util.tree_map_with_path(place, params)

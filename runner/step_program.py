@@ -26,7 +26,9 @@ from runner.logits_processors import LogitsAdjust, append_outputs
 from runner.sampler import SamplerOutput, sample
 from runner.step_inputs import SAMPLER_MODES, DeviceBatch
 
-LoopState = TypeVar("LoopState")  # what `decode_loop` carries for its `after_step` hook
+LoopState = TypeVar("LoopState")
+# attention impls that run one device's replica at a time on a mesh (a custom call XLA cannot partition)
+PER_DEVICE_IMPLS = ("cpu_kernel", "tpu_ragged", "tpu_ragged_interpret")  # what `decode_loop` carries for its `after_step` hook
 
 
 @jax.tree_util.register_dataclass
@@ -68,9 +70,9 @@ def forward_and_sample(model: CausalLM, kv_caches: KVCaches, batch: DeviceBatch,
     propagation, a head-sharded cache came back replicated (every device then held all of it and
     all-gathered the new K/V in every layer).
 
-    The CPU backend's C++ kernels have no partitioning rule: with them on a data-parallel mesh
-    (`md.impl == "cpu_kernel"`, batch-invariant mode) each replica's forward and logits run on its own
-    device under `shard_map`, so the kernels see that device's rows and cache only.
+    Kernels without a partitioning rule (`PER_DEVICE_IMPLS`: the CPU backend's C++ attention in
+    batch-invariant mode, the Pallas TPU ragged kernel) on a data-parallel mesh: each replica's forward
+    and logits run on its own device under `shard_map`, so the kernel sees that device's rows and cache only.
     """
 
     def replica_forward(m: CausalLM, token_ids: Array, positions: Array, kv: KVCaches, md: AttentionMetadata,
@@ -87,7 +89,7 @@ def forward_and_sample(model: CausalLM, kv_caches: KVCaches, batch: DeviceBatch,
     # One replica on one device: no vmap, the plain program (vmap over 1 costs ~15% there). On a
     # mesh, vmap even over one replica: squeezing the replica axis of a cache whose head axis is 1
     # per device made XLA:CPU copy every layer's cache twice per step (TP=4 at half the speed).
-    if kv_sharding is not None and batch.md.impl == "cpu_kernel":
+    if kv_sharding is not None and batch.md.impl in PER_DEVICE_IMPLS:
         hidden, rows_logits, kv_caches, aux, routed = _per_device_replicas(model, replica_forward, args, kv_sharding)
         logits = flat(rows_logits)
     elif kv_caches[0].shape[0] == 1 and kv_sharding is None:

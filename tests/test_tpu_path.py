@@ -5,8 +5,8 @@ that kernel's contract.
 (a) the engine's attention over that layout equals JAX's own `ref_ragged_paged_attention` on ragged
     batches (prefill pieces, chunked prefill and decodes mixed, page-crossing lengths, GQA, window,
     soft-cap), and the KV write puts K and V where the kernel reads them;
-(b) the Pallas kernel itself in TPU interpret mode: with jax 0.10.2 its interpreter cannot run the
-    kernel (`ReshapeTransform` has no `indices`); the test xfails on exactly that and compares otherwise;
+(b) the kernel's shapes per model (the model's heads, or zero-padded ones) and block sizes per chip; the
+    kernel itself runs in tests/test_tpu_kernel.py (Pallas's interpreter, JAX 0.10.0: its own virtualenv);
 (c) a tiny model generates with `attention_backend="tpu"` (the reference path off a TPU) with tokens
     identical and logprobs within 1e-5 of the CPU backend, on one device and a (1, 2) mesh;
 (d) MoE on the TPU backend: Megablox `gmm` (interpret mode) equals `ragged_dot`, in the block and in the engine.
@@ -25,6 +25,8 @@ from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_pa
 
 from rollout import Engine, SamplingParams
 from runner.attention import AttentionMetadata, paged_attention, write_kv
+from runner.backends import TpuBackend, auto_attention_impl
+from runner.tpu_attention import BLOCK_SIZES, TpuKernelShape, block_sizes_for
 from test_engine import ENGINE_KW, ByteTokenizer, make_model, rand_prompt
 
 HKV, GROUP, D, PAGE, NUM_PAGES = 2, 3, 8, 4, 40
@@ -77,27 +79,46 @@ def test_write_kv_puts_k_and_v_where_the_kernel_reads_them() -> None:
     assert np.count_nonzero(out) == 2 * 2 * HKV * D  # the out-of-range token was dropped
 
 
-def test_pallas_kernel_in_interpret_mode() -> None:
-    """JAX's Pallas TPU kernel itself, interpreted on CPU, against the reference (head_dim 128: its tile)."""
-    rng = np.random.default_rng(1)
-    q_lens, kv_lens, head_dim = [5, 1, 1], [21, 9, 33], 128
-    kv = jnp.asarray(rng.standard_normal((32, 16, 2 * HKV, head_dim)), jnp.float32)
-    queries = jnp.asarray(rng.standard_normal((sum(q_lens), HKV * GROUP, head_dim)), jnp.float32)
-    md = AttentionMetadata(
-        slot_mapping=jnp.zeros(sum(q_lens), jnp.int32), kv_lens=jnp.asarray(kv_lens, jnp.int32),
-        page_indices=jnp.asarray(rng.permutation(32)[:12].reshape(3, 4), jnp.int32),
-        cu_q_lens=jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32),
-        num_seqs=jnp.asarray([3], jnp.int32), max_q_len=5, impl="tpu_ragged_interpret")
-    want = paged_attention(queries, kv, dataclasses.replace(md, impl="tpu_ragged_jax"), sm_scale=head_dim ** -0.5)
-    try:
-        got = paged_attention(queries, kv, md, sm_scale=head_dim ** -0.5)
-    except Exception as e:  # noqa: BLE001 - the interpreter's failure surfaces through a host callback
-        if "ReshapeTransform" in str(e) and "indices" in str(e):
-            pytest.xfail("jax 0.10.2's Pallas TPU interpreter cannot index a reshaped ref (docs/tpu.md)")
-        if "TPU version" in str(e):
-            pytest.xfail("the kernel picks block sizes from the TPU generation; off a TPU it has none (docs/tpu.md)")
-        raise
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+@pytest.mark.parametrize("name, heads, head_dim, dtype, padded", [
+    ("SmolLM2-135M", (9, 3), 64, "bfloat16", (12, 4, 128)),
+    ("SmolLM2-135M", (9, 3), 64, "float32", (12, 4, 128)),
+    ("Qwen3-0.6B", (16, 8), 128, "bfloat16", (16, 8, 128)),
+    ("Gemma-3-1B", (4, 1), 256, "bfloat16", (4, 1, 256)),
+    ("Llama-3-8B", (32, 8), 128, "bfloat16", (32, 8, 128)),
+    ("Qwen2.5-1.5B", (12, 2), 128, "bfloat16", (12, 2, 128)),
+    ("3 KV heads, float32", (6, 3), 128, "float32", (8, 4, 128)),
+    ("5 KV heads, bfloat16", (10, 5), 128, "bfloat16", (16, 8, 128)),
+])
+def test_the_kernel_shape_each_model_runs_at(name: str, heads: tuple[int, int], head_dim: int, dtype: str,
+                                             padded: tuple[int, int, int]) -> None:
+    """The TPU ragged kernel's heads and head_dim per model (`TpuKernelShape`): the model's own where the
+    kernel tiles them, else zero-padded (head_dim to a multiple of 128 lanes, KV heads to a count whose
+    combined K/V axis tiles, each query group with its KV head), as the TPU backend lays out its cache."""
+    shape = TpuKernelShape.for_model(*heads, head_dim, dtype)
+    assert (shape.padded_q_heads, shape.padded_kv_heads, shape.padded_head_dim) == padded, name
+    assert shape.padded == (padded != (*heads, head_dim))
+    backend = TpuBackend("tpu_ragged", on_tpu=False, device_kind="TPU v5 lite")
+    replicas, pages, page = 2, 40, 16
+    got = backend.kv_cache_shape((replicas, 2, heads[1], pages, page, head_dim), dtype, heads[0])
+    assert got == (replicas, pages, page, 2 * padded[1], padded[2])
+    assert backend.blocks == BLOCK_SIZES["TPU v5 lite"] and "TPU v5 lite" in backend.status().attention_kernel
+    reference = TpuBackend("tpu_ragged_jax", on_tpu=False)  # the pure-JAX path reads the model's own layout
+    assert reference.kv_cache_shape((replicas, 2, heads[1], pages, page, head_dim), dtype, heads[0]) == (
+        replicas, pages, page, 2 * heads[1], head_dim)
+    assert reference.status().attention_kernel == ""
+
+
+def test_the_tpu_backend_picks_the_kernel_and_block_sizes_per_chip() -> None:
+    """"auto" on a TPU: the kernel for a bfloat16 cache on a mesh without a `model` axis, its pure-JAX
+    reference otherwise; block sizes are passed for every chip generation, never looked up by the kernel."""
+    assert auto_attention_impl("auto", "tpu", 1, "bfloat16") == "tpu_ragged"
+    assert auto_attention_impl("auto", "tpu", 2, "bfloat16") == "tpu_ragged_jax"  # tensor parallel: GSPMD
+    assert auto_attention_impl("auto", "tpu", 1, "float32") == "tpu_ragged_jax"
+    for kind in ("TPU v4", "TPU v5 lite", "TPU v5", "TPU v6 lite", "TPU7x"):
+        blocks = block_sizes_for(kind)
+        pages, queries = blocks.for_shape(16, 64, 512)
+        assert 64 % pages == 0 and pages * 16 <= blocks.kv_tokens and queries == blocks.queries
+    assert block_sizes_for("cpu").for_shape(16, 6, 5) == (3, 5)  # the interpreter's: a divisor, the step's tokens
 
 
 @pytest.mark.parametrize("mesh", [None, pytest.param((1, 2), marks=pytest.mark.slow)])

@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 
 from runner.attention import ATTENTION_IMPLS
 from runner.backends.base import Backend, ModuleT
+from runner.tpu_attention import block_sizes_for
 
 BACKENDS = ("auto", "reference", "cpu", "gpu", "tpu")
 
@@ -36,9 +37,21 @@ class TpuBackend(Backend):
 
     name = "tpu"
 
-    def __init__(self, attention_impl: str, *, on_tpu: bool) -> None:
+    def __init__(self, attention_impl: str, *, on_tpu: bool, device_kind: str = "cpu") -> None:
         super().__init__(attention_impl)
         self.grouped_matmul = "megablox" if on_tpu else "megablox_interpret"
+        self.device_kind = device_kind
+        self.blocks = block_sizes_for(device_kind)  # the ragged kernel's tiling on this chip generation
+
+    def metadata_fields(self) -> dict[str, object]:
+        return {**super().metadata_fields(), "tpu_blocks": self.blocks}
+
+    def kernel_status(self) -> str:
+        status = super().kernel_status()
+        if not status:
+            return status
+        return (f"{status}; blocks of {self.blocks.kv_tokens} KV tokens x {self.blocks.queries} queries "
+                f"({self.device_kind})")
 
     @property
     def min_buckets(self) -> tuple[int, int]:
@@ -115,5 +128,5 @@ def select_backend(name: str, mesh: Mesh, *, dtype: str, param_dtype: str, cache
     if kind == "gpu":
         return GpuBackend(attention)
     if kind == "tpu":
-        return TpuBackend(attention, on_tpu=platform == "tpu")
+        return TpuBackend(attention, on_tpu=platform == "tpu", device_kind=mesh.devices.flat[0].device_kind)
     return Backend(attention)

@@ -15,7 +15,13 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
+from runner.tpu_attention import TpuKernelShape
+
 ModuleT = TypeVar("ModuleT", bound=nnx.Module)
+
+# impls whose KV cache is laid out for JAX's TPU `ragged_paged_attention` kernel: `[P, page, 2 * Hkv, D]`
+TPU_LAYOUT_IMPLS = ("tpu_ragged", "tpu_ragged_interpret", "tpu_ragged_jax")
+TPU_KERNEL_IMPLS = ("tpu_ragged", "tpu_ragged_interpret")  # of those, the ones that run the kernel
 
 
 class PackedKernel(nnx.Variable):
@@ -54,6 +60,8 @@ class BackendStatus:
     attention: str  # the attention impl of paged steps (one of `runner.attention.ATTENTION_IMPLS`)
     bf16_matmul: str = "off"  # a bfloat16 model's matmul kernel ("ok: ..." and which, or why XLA's dot)
     batch_invariant: str = "off"  # "on: ..." (what sums each row alike) or "off"
+    # the TPU ragged kernel's shapes (the model's heads, or zero-padded ones) and block sizes; "" without it
+    attention_kernel: str = ""
 
 
 class Backend:
@@ -63,6 +71,7 @@ class Backend:
 
     def __init__(self, attention_impl: str = "jax") -> None:
         self.attention_impl = attention_impl
+        self.tpu_kernel: TpuKernelShape | None = None  # set by `kv_cache_shape` for the TPU ragged kernel's impls
 
     def prepare(self, module: ModuleT, *, pack: bool = True) -> ModuleT:
         """A copy of `module` (a model or draft head; sharing its arrays) with this backend's kernels wired
@@ -100,16 +109,30 @@ class Backend:
         """The dtype a KV cache of `dtype` values is stored in (the CPU backend keeps bfloat16 as its bits)."""
         return dtype
 
-    def kv_cache_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+    def kv_cache_shape(self, shape: tuple[int, ...], dtype: str, num_q_heads: int) -> tuple[int, ...]:
         """One layer's KV cache shape in this backend's layout, from the engine's
         `[replicas, 2, kv_heads, pages, page_size, head_dim]`: kept, except for the TPU ragged kernel's
-        impls (`runner.attention.TPU_LAYOUT_IMPLS`): `[replicas, pages, page_size, 2 * kv_heads, head_dim]`."""
-        from runner.attention import TPU_LAYOUT_IMPLS
-
+        impls (`TPU_LAYOUT_IMPLS`): `[replicas, pages, page_size, 2 * kv_heads, head_dim]`, with the heads
+        and head_dim zero-padded to what the kernel tiles when it runs (`runner.tpu_attention.TpuKernelShape`)."""
         if self.attention_impl in TPU_LAYOUT_IMPLS:
             replicas, _, kv_heads, pages, page_size, head_dim = shape
+            if self.attention_impl in TPU_KERNEL_IMPLS:
+                self.tpu_kernel = TpuKernelShape.for_model(num_q_heads, kv_heads, head_dim, dtype)
+                kv_heads, head_dim = self.tpu_kernel.padded_kv_heads, self.tpu_kernel.padded_head_dim
             return (replicas, pages, page_size, 2 * kv_heads, head_dim)
         return shape
 
+    def metadata_fields(self) -> dict[str, object]:
+        """The static `AttentionMetadata` fields every step of this backend carries (its attention impl)."""
+        return {"impl": self.attention_impl}
+
     def status(self) -> BackendStatus:
-        return BackendStatus(self.name, matmul="XLA's dot", amx="off", attention=self.attention_impl)
+        return BackendStatus(self.name, matmul="XLA's dot", amx="off", attention=self.attention_impl,
+                             attention_kernel=self.kernel_status())
+
+    def kernel_status(self) -> str:
+        """What `stats()` says of the TPU ragged kernel's shapes, "" where it does not run."""
+        if self.tpu_kernel is None:
+            return ""
+        return f"{self.attention_impl}: {self.tpu_kernel.describe()}"
+

@@ -140,7 +140,7 @@ class Attention(nnx.Module):
         q, k, v = self.qkv(x, positions)
         kv_pages = write_kv(kv_pages, k, v, md.slot_mapping)
         o = paged_attention(q, kv_pages, md, sm_scale=self.scale, sliding_window=self.sliding_window,
-                            soft_cap=self.soft_cap)
+                            soft_cap=self.soft_cap, num_kv_heads=self.num_kv_heads)
         return self.o_proj(o.reshape(x.shape[0], -1)), kv_pages
 
 

@@ -210,7 +210,8 @@ class CpuBackend(Backend):
                 self.bf16_kernel, "the AVX512_BF16 kernel in chunks")
             invariant = f"on: {kernel} at every row count, the C++ attention, fixed-order norms"
         return BackendStatus(self.name, matmul=self.row_kernel.reason, amx=self.amx.reason,
-                             attention=self.attention_impl, bf16_matmul=self.bf16_status, batch_invariant=invariant)
+                             attention=self.attention_impl, bf16_matmul=self.bf16_status, batch_invariant=invariant,
+                             attention_kernel=self.kernel_status())
 
 
 def _check_batch_invariant(mesh: Mesh, attention_impl: str, row_kernel: KernelStatus, bf16_model: bool,
