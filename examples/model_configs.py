@@ -64,3 +64,19 @@ def active_params(hf_config: dict[str, Any], total: int) -> int:
     per_expert = 3 * int(hf_config["hidden_size"]) * int(hf_config["moe_intermediate_size"])
     layers = int(hf_config["num_hidden_layers"]) - len(hf_config.get("mlp_only_layers") or [])
     return total - layers * (experts - top_k) * per_expert
+
+
+# name -> (HF architecture, model_type) of the configs above, and the embedded default's shapes
+ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "qwen3-0.6b": ("Qwen3ForCausalLM", "qwen3"), "gemma-3-1b": ("Gemma3ForCausalLM", "gemma3_text"),
+    "moe-8x2": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+}
+
+
+def hf_config_dict(name: str) -> dict[str, Any]:
+    """The `config.json` contents of model `name` without transformers (the TPU ahead-of-time check builds
+    shapes only: `runner.tpu_aot`)."""
+    if name not in MODEL_CONFIGS:
+        raise SystemExit(f"unknown --model-config {name!r}; choose one of {', '.join(MODEL_CONFIGS)}")
+    arch, model_type = ARCHITECTURES[name]
+    return {"architectures": [arch], "model_type": model_type, **MODEL_CONFIGS[name][1]}

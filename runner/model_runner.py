@@ -13,7 +13,6 @@ import dataclasses
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -36,6 +35,30 @@ from runner.executable_store import CompiledProgram, StoredProgram, abstract_put
 from runner.step_program import compiled_chunk, compiled_step
 from runner.step_result import PendingStep, StepResult, sampled_rows  # noqa: F401  (re-exported)
 from runner.warmup_steps import DummySteps
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupProgram:
+    """A program an abstract runner's `warmup()` compiled and the dummy step it was compiled for."""
+
+    step: StepBatch  # the dummy step (bucket-shaped; every K/V write dropped)
+    program: CompiledProgram
+
+    @property
+    def kind(self) -> str:
+        return self.step.kind
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.step.q_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.step.token_ids)
+
+    @property
+    def num_top_logprobs(self) -> int:
+        return self.step.num_top_logprobs
 
 
 class ModelRunner:
@@ -70,6 +93,7 @@ class ModelRunner:
         if abstract and (draft_head is not None or (backend is not None and backend.packs_weights)):
             raise ValueError("an abstract runner takes no draft head and no backend that packs weights")
         self.abstract = abstract
+        self.warmup_programs: list[WarmupProgram] = []  # what an abstract runner's warmup() compiled, per step
         if record_routing and (not model.config.moe_layers or draft_head is not None):
             raise ValueError("record_routing needs a mixture-of-experts model and no EAGLE-3 head")
         self.record_routing = record_routing
@@ -300,7 +324,10 @@ class ModelRunner:
         if self.abstract:  # compile each program for the mesh's devices, run none
             for step in self.dummy_steps.every_bucket(prompt_logprobs=prompt_logprobs, speculative_k=speculative_k,
                                                       rejection=rejection):
+                before = set(map(id, self.compiled_programs))
                 self.launch(step)
+                for program in (p for p in self.compiled_programs if id(p) not in before):
+                    self.warmup_programs.append(WarmupProgram(step, program))
             return len(self.compiled_programs)
         if self._repack is not None:  # the repacking program a weight sync runs
             self.rest = self._repack(self.params, self.rest)

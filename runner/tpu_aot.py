@@ -109,7 +109,7 @@ class ProgramMemory:
 class StepPrediction:
     """A predicted step time (not a measurement) and the roofline fraction the program's bytes imply."""
 
-    optimal_seconds: float  # XLA's own estimate (its custom calls uncosted)
+    optimal_seconds: float  # XLA's own estimate (its custom calls uncosted; 0 where it gives none)
     bytes_accessed: float  # XLA's count, plus `kv_bytes`
     kv_bytes: int  # what the attention kernel reads, by formula
     flops: float
@@ -134,7 +134,7 @@ def predict_step(program: CompiledProgram, chip: Chip, *, weight_bytes: int, kv_
     step would read (`weight_bytes` + `kv_ideal`, each once)."""
     cost = program.compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    optimal = float(cost.get("optimal_seconds", 0.0))
+    optimal = max(0.0, float(cost.get("optimal_seconds", 0.0)))  # libtpu reports a negative one for some programs
     accessed = float(cost.get("bytes accessed", 0.0)) + kv_read
     flops = float(cost.get("flops", 0.0))
     predicted = max(optimal, accessed / chip.hbm_bytes_per_second, flops / chip.bf16_flops_per_second)

@@ -28,7 +28,6 @@ import math
 from collections.abc import Callable
 from types import ModuleType
 
-import jax
 import jax.numpy as jnp
 from jax.experimental import pallas
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa_kernel

@@ -55,8 +55,9 @@ def kernel_case(rng: np.random.Generator, q_lens: list[int], kv_lens: list[int],
     return queries, kv, md, k, v
 
 
-@pytest.mark.parametrize("heads, head_dim", [((2, 3), 128), ((3, 3), 64), ((1, 4), 32)])
-@pytest.mark.parametrize("window, soft_cap", [(None, None), (7, None), (None, 2.0)])
+@pytest.mark.parametrize("heads, head_dim, window, soft_cap", [
+    ((2, 3), 128, None, None), ((2, 3), 128, 7, 2.0), ((3, 3), 64, None, None), ((3, 3), 64, 7, None),
+    ((1, 4), 32, None, 2.0)])
 def test_the_kernel_equals_its_reference(heads: tuple[int, int], head_dim: int, window: int | None,
                                          soft_cap: float | None) -> None:
     """A prefill from scratch, a chunked prefill and two decodes in one ragged step; the model's heads

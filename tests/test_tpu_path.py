@@ -14,7 +14,6 @@ that kernel's contract.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import jax

@@ -1,0 +1,52 @@
+"""The engine's step programs compiled for real TPU chips by libtpu, on a machine without a TPU
+(`runner.tpu_aot`). Runs in `.venv-tpu` (`.ci/run`: `jax[tpu]`), skipped where libtpu is absent.
+
+The engine's own runner over an abstract model (shapes only) runs `warmup()` on a TPU topology's devices:
+every step program it would compile (multi-step decode calls, prefill steps) is compiled for the chip,
+the Pallas ragged kernel through Mosaic included, and reports its memory. The embedded SmolLM2 (whose
+heads the kernel cannot tile: zero-padded) on one v5e chip and on a data-parallel v5e:2x2 slice (the
+kernel per replica under shard_map), Gemma-3-1B's layers (head_dim 256, one KV head, sliding windows) on
+v6e. `examples/tpu_aot.py` compiles the full model x chip x mesh matrix (docs/tpu.md).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                reason="needs libtpu (`.ci/run` runs this file in .venv-tpu with jax[tpu])")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+
+
+@pytest.fixture(scope="module")
+def aot():  # noqa: ANN201  (the example module)
+    import tpu_aot  # sets JAX's platform to CPU for libtpu's compiler (runner.tpu_aot.prepare_aot)
+
+    return tpu_aot
+
+
+@pytest.mark.parametrize("model, mesh, vocab, kernel", [
+    ("smollm2", "v5e:1x1:1x1", None, "heads 9 query / 3 KV -> 12 / 4, head_dim 64 -> 128"),
+    ("smollm2", "v5e:2x2:4x1", None, "heads 9 query / 3 KV -> 12 / 4, head_dim 64 -> 128"),
+    # Gemma-3-1B's layers with SmolLM2's vocabulary: its 262,144-id sampler sort alone compiles for minutes
+    ("gemma-3-1b", "v6e:1x1:1x1", 49152, "the model's heads (4 query / 1 KV, head_dim 256)"),
+])
+def test_every_warmup_program_compiles_for_the_chip(aot, model: str, mesh: str, vocab: int | None,  # noqa: ANN001
+                                                     kernel: str) -> None:
+    runner, _ = aot.compile_all(model, mesh, aot.SMALL, vocab_size=vocab)
+    kinds = sorted((w.kind, w.program.name) for w in runner.warmup_programs)
+    assert kinds == [("decode", "chunk"), ("prefill", "step")]  # every program of this runner's warmup()
+    status = runner.backend.status()
+    assert status.attention == "tpu_ragged" and kernel in status.attention_kernel
+    topology, (data, _) = aot.parse_mesh(mesh)
+    for w in runner.warmup_programs:
+        devices = jax.tree.leaves(w.program.compiled.input_shardings)[0].device_set
+        assert {d.device_kind for d in devices} == {aot.CHIPS[topology.split(":")[0]].kind} and len(devices) == data
+        memory = aot.ProgramMemory.of(w.program)
+        assert memory.argument_bytes > 0 and memory.code_bytes > 0
