@@ -147,7 +147,6 @@ class EngineConfig:
                                                        or not self.compilation_cache_dir):
             raise ValueError(f"compilation_cache_dir must be 'auto', a folder or None, got {self.compilation_cache_dir!r}")
 
-
     def runner_options(self, executable_dir: str | None) -> RunnerOptions:
         """The runner's share of this config (`runner.build.build_runner`); `executable_dir`: where its
         compiled step programs are stored (None: not stored)."""

@@ -179,7 +179,8 @@ class ModelRunner:
             device_batch = padded
         else:
             shardings = jax.tree.map(lambda x: self._input_sharding if np.ndim(x) else self._scalar_sharding, padded)
-            device_batch = jax.tree.map(abstract_put if self.abstract else jax.device_put, padded, shardings)
+            device_batch = (jax.tree.map(abstract_put, padded, shardings) if self.abstract
+                            else jax.device_put(padded, shardings))
         leaves = self._leaves()
         # two program sizes: the engine's usual top logprobs, and the whole vocabulary (`logprobs=-1`) past it
         k = batch.num_top_logprobs

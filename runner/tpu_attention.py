@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable
 from types import ModuleType
 
@@ -195,9 +194,3 @@ def tpu_ragged_attention(
     out = call(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     return out[:, :num_q_heads, :head_dim].astype(queries.dtype)
 
-
-def kv_bytes_read(kv_lens_total: int, kv_shape: TpuKernelShape, num_layers: int, itemsize: int) -> int:
-    """Bytes of K and V one step's kernel calls read for `kv_lens_total` context tokens (XLA does not cost
-    a Pallas call: its traffic is added by this formula)."""
-    return int(math.prod((kv_lens_total, 2, kv_shape.padded_kv_heads, kv_shape.padded_head_dim, itemsize,
-                          num_layers)))
