@@ -170,7 +170,7 @@ def main() -> None:
                           f"  roofline {pred.roofline_fraction:.2f}{ratio}")
                     preds.append(dict(model=model, mesh=mesh, step=label, measured_seconds=measured.get(label),
                                       **dataclasses.asdict(pred)))
-    summary = dict(bench="tpu_aot", jax=jax.__version__, programs=len(rows), predictions=preds)
+    summary = dict(bench="tpu_aot", jax=jax.__version__, num_programs=len(rows), predictions=preds)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(dict(programs=rows, **summary), indent=1))
     print(json.dumps(summary))
