@@ -98,8 +98,9 @@ def predictions(runner: ModelRunner, chip: str) -> list[tuple[WarmupProgram, Ste
     for w in runner.warmup_programs:
         q_lens, kv_lens = w.step.q_lens.tolist(), w.step.kv_lens.tolist()
         read = kv_bytes(runner.backend.tpu_kernel, spec.num_layers, itemsize, q_lens, kv_lens, per_block)
+        cache = sum(int(np.prod(c.shape)) * c.dtype.itemsize for c in runner.kv_caches) // runner.kv_spec.num_replicas
         out.append((w, predict_step(w.program, CHIPS[chip], weight_bytes=weights, kv_read=read,
-                                    kv_ideal=sum(kv_lens) * own)))
+                                    kv_ideal=sum(kv_lens) * own, cache_bytes=cache)))
     return out
 
 
@@ -167,7 +168,8 @@ def main() -> None:
                     xla = f"{pred.optimal_seconds * 1e3:.3f} ms" if pred.optimal_seconds > 0 else "n/a"
                     print(f"  predicted {label:<32} {pred.predicted_seconds * 1e3:>8.3f} ms  XLA's estimate {xla}"
                           f"  {pred.bytes_accessed / 1e6:>8.1f} MB (kernel K/V {pred.kv_bytes / 1e6:.1f} MB)"
-                          f"  roofline {pred.roofline_fraction:.2f}{ratio}")
+                          f"  roofline {pred.roofline_fraction:.2f}; without the cache scatter's count "
+                          f"{pred.scatter_free_seconds * 1e3:.3f} ms, roofline {pred.scatter_free_roofline_fraction:.2f}{ratio}")
                     preds.append(dict(model=model, mesh=mesh, step=label, measured_seconds=measured.get(label),
                                       **dataclasses.asdict(pred)))
     summary = dict(bench="tpu_aot", jax=jax.__version__, num_programs=len(rows), predictions=preds)

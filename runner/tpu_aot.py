@@ -115,6 +115,10 @@ class StepPrediction:
     flops: float
     predicted_seconds: float  # max(XLA's estimate, bytes over HBM bandwidth, flops over the bf16 peak)
     roofline_fraction: float  # (weights + K/V read once) over HBM bandwidth, over the predicted time
+    # the same without XLA's count of the in-place K/V scatters as a read and a write of the whole cache
+    # (`cache_bytes` twice): on the chip they touch only the new rows; a lower estimate, not a bound
+    scatter_free_seconds: float
+    scatter_free_roofline_fraction: float
 
 
 def kv_bytes(kernel: TpuKernelShape | None, num_layers: int, itemsize: int, q_lens: Sequence[int],
@@ -128,15 +132,18 @@ def kv_bytes(kernel: TpuKernelShape | None, num_layers: int, itemsize: int, q_le
     return int(blocks * per_token)
 
 
-def predict_step(program: CompiledProgram, chip: Chip, *, weight_bytes: int, kv_read: int, kv_ideal: int
-                 ) -> StepPrediction:
-    """One program's predicted time on `chip` given the kernel's K/V traffic (`kv_read`) and what a perfect
-    step would read (`weight_bytes` + `kv_ideal`, each once)."""
+def predict_step(program: CompiledProgram, chip: Chip, *, weight_bytes: int, kv_read: int, kv_ideal: int,
+                 cache_bytes: int) -> StepPrediction:
+    """One program's predicted time on `chip` given the kernel's K/V traffic (`kv_read`), what a perfect
+    step would read (`weight_bytes` + `kv_ideal`, each once) and the KV cache's size per device."""
     cost = program.compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     optimal = max(0.0, float(cost.get("optimal_seconds", 0.0)))  # libtpu reports a negative one for some programs
     accessed = float(cost.get("bytes accessed", 0.0)) + kv_read
     flops = float(cost.get("flops", 0.0))
-    predicted = max(optimal, accessed / chip.hbm_bytes_per_second, flops / chip.bf16_flops_per_second)
-    ideal = (weight_bytes + kv_ideal) / chip.hbm_bytes_per_second
-    return StepPrediction(optimal, accessed, kv_read, flops, predicted, ideal / predicted if predicted else 0.0)
+    bandwidth, compute = chip.hbm_bytes_per_second, flops / chip.bf16_flops_per_second
+    predicted = max(optimal, accessed / bandwidth, compute)
+    scatter_free = max(optimal, max(accessed - 2 * cache_bytes, weight_bytes + kv_read) / bandwidth, compute)
+    ideal = (weight_bytes + kv_ideal) / bandwidth
+    return StepPrediction(optimal, accessed, kv_read, flops, predicted, ideal / predicted if predicted else 0.0,
+                          scatter_free, ideal / scatter_free if scatter_free else 0.0)
