@@ -33,7 +33,8 @@ import numpy as np  # noqa: E402
 
 from model_configs import hf_config_dict  # noqa: E402
 from runner.build import RunnerOptions  # noqa: E402
-from runner.model_runner import ModelRunner, WarmupProgram  # noqa: E402
+from runner.model_runner import ModelRunner  # noqa: E402
+from runner.warmup_steps import WarmupProgram  # noqa: E402
 from runner.step_inputs import StepBatch  # noqa: E402
 from runner.models.checkpoint import read_checkpoint  # noqa: E402
 from runner.models.config import ModelConfig  # noqa: E402

@@ -34,31 +34,7 @@ from runner.step_inputs import (  # noqa: F401  (StepBatch, MAX_SUPPRESS: re-exp
 from runner.executable_store import CompiledProgram, StoredProgram, abstract_put, open_store
 from runner.step_program import compiled_chunk, compiled_step
 from runner.step_result import PendingStep, StepResult, sampled_rows  # noqa: F401  (re-exported)
-from runner.warmup_steps import DummySteps
-
-
-@dataclasses.dataclass(frozen=True)
-class WarmupProgram:
-    """A program an abstract runner's `warmup()` compiled and the dummy step it was compiled for."""
-
-    step: StepBatch  # the dummy step (bucket-shaped; every K/V write dropped)
-    program: CompiledProgram
-
-    @property
-    def kind(self) -> str:
-        return self.step.kind
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.step.q_lens)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.step.token_ids)
-
-    @property
-    def num_top_logprobs(self) -> int:
-        return self.step.num_top_logprobs
+from runner.warmup_steps import DummySteps, WarmupProgram
 
 
 class ModelRunner:

@@ -1,4 +1,5 @@
-"""The dummy steps `ModelRunner.warmup` runs to compile every bucket before the first request.
+"""The dummy steps `ModelRunner.warmup` runs to compile every bucket before the first request, and what an
+abstract runner's warmup compiled for each (`WarmupProgram`).
 
 Each is a `StepBatch` of exactly a bucket's shape whose block tables point past the replica's blocks,
 so every K/V write is dropped and the caches stay as they were.
@@ -13,6 +14,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from runner.buckets import BucketConfig, pick
+from runner.executable_store import CompiledProgram
 from runner.kv_cache import KVCacheSpec
 from runner.sampling_rows import SamplingRows
 from runner.step_inputs import MAX_SUPPRESS, StepBatch
@@ -111,3 +113,27 @@ class DummySteps:
             num_steps=np.ones(num_seqs, np.int32) if chunk else None,
             suppress_steps=np.zeros(num_seqs, np.int32) if chunk else None,
             stop_ids=np.full((num_seqs, MAX_SUPPRESS), -1, np.int32) if chunk else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupProgram:
+    """A program an abstract runner's `warmup()` compiled and the dummy step it was compiled for."""
+
+    step: StepBatch  # the dummy step (bucket-shaped; every K/V write dropped)
+    program: CompiledProgram
+
+    @property
+    def kind(self) -> str:
+        return self.step.kind
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.step.q_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.step.token_ids)
+
+    @property
+    def num_top_logprobs(self) -> int:
+        return self.step.num_top_logprobs
