@@ -32,7 +32,11 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from model_configs import hf_config_dict  # noqa: E402
-from runner.build import RunnerOptions  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from runner.build import RunnerOptions, build_runner  # noqa: E402
+from runner.models.registry import build_model  # noqa: E402
+from runner.sharding import make_mesh  # noqa: E402
 from runner.model_runner import ModelRunner  # noqa: E402
 from runner.warmup_steps import WarmupProgram  # noqa: E402
 from runner.step_inputs import StepBatch  # noqa: E402
@@ -74,8 +78,6 @@ def compile_all(model: str, mesh_spec: str, options: RunnerOptions, vocab_size: 
                 ) -> tuple[ModelRunner, float]:
     """`model`'s runner with every warm-up program compiled for `mesh_spec`'s chips, and the seconds it took;
     `vocab_size` replaces the model's (a shorter compile of the sampler's full-vocabulary sort)."""
-    from runner.sharding import make_mesh
-
     topology, shape = parse_mesh(mesh_spec)
     start = time.perf_counter()
     on_tpu = jax.devices()[0].platform == "tpu"  # `--measure-on-tpu`: this machine's chips, not a described slice
@@ -107,12 +109,6 @@ def predictions(runner: ModelRunner, chip: str) -> list[tuple[WarmupProgram, Ste
 
 def measure(model: str, mesh_spec: str, options: RunnerOptions) -> dict[str, float]:
     """On a TPU: the same dummy steps run by a real runner (random weights), median seconds of 5 after one."""
-    from flax import nnx
-
-    from runner.build import build_runner
-    from runner.models.registry import build_model
-    from runner.sharding import make_mesh
-
     _, shape = parse_mesh(mesh_spec)
     runner = build_runner(build_model(model_config(model), rngs=nnx.Rngs(0)), make_mesh(shape), options)
     times = {}
