@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 
 from rollout.engine import Engine  # noqa: E402
 from rollout.sampling_params import SamplingParams  # noqa: E402
-from runner.compile_counter import num_compilations  # noqa: E402
+from weight_sync.compiles import num_compilations  # noqa: E402
 
 PREAMBLE = " ".join(f"Rule {k}: answer briefly, show each step, and check the arithmetic." for k in range(1, 25))
 

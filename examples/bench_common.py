@@ -7,18 +7,24 @@
 - `measure_bandwidth()` / `measure_matmul_flops()` / `roofline_tokens_per_s()`: the machine's
   physical limit for decode, measured in the same run as the benchmark;
 - `timed_median()`: one untimed warm-up, then the median wall time of N repeats;
-- `print_table()` / `json_line()`: the output conventions (one line per run, one final JSON line).
+- `print_table()` / `json_line()`: the output conventions (one line per run, one final JSON line);
+- `code_at()` / `run_worker()`: the engine's code at another git revision (a temporary worktree) measured
+  in its own process on the same workload, for benchmarks that compare two commits (`--compare REF`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
 import statistics
+import subprocess
+import sys
+import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -222,3 +228,44 @@ def json_line(obj: dict[str, Any], path: str | None = None) -> str:
         with open(path, "w") as f:
             f.write(line + "\n")
     return line
+
+
+# ---- two commits -----------------------------------------------------------------------------
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def commit_of(root: str = ROOT) -> str:
+    return subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+
+
+@contextlib.contextmanager
+def code_at(ref: str | None) -> Iterator[str | None]:
+    """The project's code at git revision `ref` as a folder (a temporary `git worktree`, removed after);
+    None for None."""
+    if ref is None:
+        yield None
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        root = os.path.join(tmp, "ref")
+        subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", root, ref], check=True, capture_output=True)
+        try:
+            yield root
+        finally:
+            subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", root], capture_output=True)
+
+
+def run_worker(script: str, code_root: str, argv: Sequence[str]) -> dict[str, Any]:
+    """Run `script --worker --code-root code_root argv` in its own process (it imports the engine from
+    `code_root`) and return the JSON object its last output line holds."""
+    cmd = [sys.executable, script, "--worker", "--code-root", code_root, *argv]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def use_code(code_root: str) -> None:
+    """Import the engine (and the tests' helpers) from `code_root` in a worker process."""
+    sys.path[:0] = [code_root, os.path.join(code_root, "tests")]
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -4,11 +4,11 @@ Each setting runs in its own subprocess (environment variables such as LD_PRELOA
 must be set before the process starts), back to back on the same machine:
 
 - `default`: nothing set;
-- `row_kernel_off`: `JAX_ROLLOUT_ROW_KERNEL=0` (XLA's dot for steps of <= 8 rows too);
-- `amx_off`: `JAX_ROLLOUT_AMX=0` (no AMX tiles: the row kernel, or XLA's dot past its 64 rows);
-- `amx_from_9`: `JAX_ROLLOUT_AMX_FROM_ROWS=9` (layer matmuls of 9-24 rows on AMX tiles, as before the
+- `row_kernel_off`: `EngineConfig(cpu_row_kernel=False)` (XLA's dot for steps of <= 8 rows too);
+- `amx_off`: `cpu_amx=False` (no AMX tiles: the row kernel, or XLA's dot past its 64 rows);
+- `amx_from_9`: `cpu_amx_from_rows=9` (layer matmuls of 9-24 rows on AMX tiles, as before the
   2026-12-05, rather than the row kernel; differs from `default` only at B = 9..24);
-- `attention_jax`: `JAX_ROLLOUT_CPU_ATTENTION=0` (the pure-JAX paged attention instead of the C++ kernel);
+- `attention_jax`: `attention_backend="jax"` (the pure-JAX paged attention instead of the C++ kernel);
 - `tcmalloc`: `LD_PRELOAD` of gperftools' tcmalloc (Debian `libtcmalloc-minimal4`; skipped when absent);
 - `pinned`: the process bound to cores 0..N-1 with `taskset` (on a 2-core machine this only stops
   migration to nothing else: XLA already uses every core);
@@ -36,17 +36,18 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def child(batch: int, tokens: int, dtype: str) -> None:
+def child(batch: int, tokens: int, dtype: str, engine_kw: dict[str, object]) -> None:
     """Runs inside the subprocess: load, warm up, time one generate call, print one JSON line."""
     sys.path.insert(0, ROOT)
     from rollout import Engine, SamplingParams
 
-    engine = Engine.from_pretrained(None, dtype=dtype, max_num_seqs=64, max_model_len=512, max_num_batched_tokens=512)
+    engine = Engine.from_pretrained(None, dtype=dtype, max_num_seqs=64, max_model_len=512, max_num_batched_tokens=512,
+                                    **engine_kw)
     prompts = [engine.tokenizer.encode(f"Question {i}: Write a short paragraph about the number {i} and why it is "
                                        "interesting. Answer:") for i in range(batch)]
     sp = SamplingParams(temperature=0.0, max_tokens=tokens, min_tokens=tokens)
     engine.generate(prompts, sp)
-    engine.block_manager.invalidate_prefix_cache()
+    engine.core.block_manager.invalidate_prefix_cache()
     start = time.perf_counter()
     outs = engine.generate(prompts, sp)
     seconds = time.perf_counter() - start
@@ -66,9 +67,10 @@ def main() -> None:
     ap.add_argument("--settings", default=None, help="comma-separated subset of the settings (default: all)")
     ap.add_argument("--repeats", type=int, default=1, help="rounds over the settings (alternated); medians reported")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--engine-kw", default="{}", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(args.batch, args.tokens, args.child)
+        child(args.batch, args.tokens, args.child, json.loads(args.engine_kw))
         return
 
     cores = os.cpu_count() or 1
@@ -76,16 +78,17 @@ def main() -> None:
     base_env["JAX_PLATFORMS"] = "cpu"
     cmd = [sys.executable, os.path.abspath(__file__), "--batch", str(args.batch), "--tokens", str(args.tokens)]
     tcmalloc = find_tcmalloc()
-    settings: list[tuple[str, dict[str, str], list[str], str]] = [
-        ("default", {}, [], "float32"),
-        ("row_kernel_off", {"JAX_ROLLOUT_ROW_KERNEL": "0"}, [], "float32"),  # XLA's dot for <= 8 rows too
-        ("amx_off", {"JAX_ROLLOUT_AMX": "0"}, [], "float32"),  # the AVX-512 row kernel / XLA's dot for >= 9 rows
-        ("amx_from_9", {"JAX_ROLLOUT_AMX_FROM_ROWS": "9"}, [], "float32"),  # layers' 9-24 rows on AMX, not the row kernel
-        ("attention_jax", {"JAX_ROLLOUT_CPU_ATTENTION": "0"}, [], "float32"),  # runner.attention's while loops
-        ("tcmalloc", {"LD_PRELOAD": tcmalloc} if tcmalloc else {}, [], "float32"),
-        ("pinned", {}, ["taskset", "-c", f"0-{cores - 1}"] if shutil.which("taskset") else [], "float32"),
-        ("eigen_single_thread", {"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false"}, [], "float32"),
-        ("bfloat16", {}, [], "bfloat16"),
+    # (name, environment, command prefix, dtype, EngineConfig fields)
+    settings: list[tuple[str, dict[str, str], list[str], str, dict[str, object]]] = [
+        ("default", {}, [], "float32", {}),
+        ("row_kernel_off", {}, [], "float32", {"cpu_row_kernel": False}),  # XLA's dot for <= 8 rows too
+        ("amx_off", {}, [], "float32", {"cpu_amx": False}),  # the AVX-512 row kernel / XLA's dot for >= 9 rows
+        ("amx_from_9", {}, [], "float32", {"cpu_amx_from_rows": 9}),  # layers' 9-24 rows on AMX, not the row kernel
+        ("attention_jax", {}, [], "float32", {"attention_backend": "jax"}),  # runner.ragged_attention's while loops
+        ("tcmalloc", {"LD_PRELOAD": tcmalloc} if tcmalloc else {}, [], "float32", {}),
+        ("pinned", {}, ["taskset", "-c", f"0-{cores - 1}"] if shutil.which("taskset") else [], "float32", {}),
+        ("eigen_single_thread", {"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false"}, [], "float32", {}),
+        ("bfloat16", {}, [], "bfloat16", {}),
     ]
     if args.settings:
         wanted = args.settings.split(",")
@@ -97,12 +100,12 @@ def main() -> None:
     print(f"R1-style greedy, B={args.batch}, {args.tokens} new tokens; {cores} cores; one subprocess per setting"
           f" and round ({args.repeats} rounds)")
     for round_ in range(args.repeats):
-        for name, env, prefix, dtype in settings:
+        for name, env, prefix, dtype, engine_kw in settings:
             if (name == "tcmalloc" and not tcmalloc) or (name == "pinned" and not prefix):
                 print(f"  {name:<22} skipped (not available on this machine)")
                 continue
-            proc = subprocess.run(prefix + cmd + ["--child", dtype], env={**base_env, **env}, capture_output=True,
-                                  text=True, cwd=ROOT)
+            proc = subprocess.run(prefix + cmd + ["--child", dtype, "--engine-kw", json.dumps(engine_kw)],
+                                  env={**base_env, **env}, capture_output=True, text=True, cwd=ROOT)
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
             if line is None:
                 print(f"  {name:<22} FAILED (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}")

@@ -48,7 +48,7 @@ def main() -> None:
 
     from rollout import Engine, SamplingParams
     from rollout.tokenizer import load_tokenizer
-    from runner.compile_counter import num_compilations
+    from weight_sync.compiles import num_compilations
 
     tok = load_tokenizer(None)
     prompts = [tok.encode(bc.r1_prompt(i)) for i in range(max(batch_sizes))]

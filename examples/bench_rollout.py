@@ -128,7 +128,7 @@ def run_ours(args: argparse.Namespace, runs: list[dict[str, Any]], tok: Any, max
     rss_loaded = bc.current_rss_bytes()
     print(f"engine loaded in {load_s:.1f}s: max_num_seqs=64 max_model_len={max_model_len} "
           f"max_num_batched_tokens={args.max_num_batched_tokens}; RSS {bc.mib(rss0)} -> {bc.mib(rss_loaded)}", flush=True)
-    bm = engine.block_manager
+    bm = engine.core.block_manager
 
     for r in runs:
         sp = SamplingParams(n=r["n"], temperature=r["temperature"], top_p=r["top_p"], top_k=r["top_k"], seed=0,

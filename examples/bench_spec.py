@@ -144,7 +144,7 @@ def spec_counters(before: Any, after: Any, engine: Any) -> dict[str, Any]:
         disabled_share=delta["num_disabled_steps"] / steps if steps else 0.0,
         unsure_share=delta["num_unsure_steps"] / delta["num_draft_steps"] if delta["num_draft_steps"] else 0.0,
         spec_counters=delta,
-        step_seconds=dict(sorted(engine.speculator.step_seconds.items())))
+        step_seconds=dict(sorted(engine.core.speculator.step_seconds.items())))
 
 
 def main() -> None:
@@ -188,12 +188,12 @@ def main() -> None:
                    else [prompt_ids(tok, i, not args.no_chat) for i in range(num_prompts)])
         before, seconds, outs = {}, {name: [] for name, _ in engines}, {}
         for name, engine in engines:
-            engine.block_manager.invalidate_prefix_cache()
+            engine.core.block_manager.invalidate_prefix_cache()
             engine.generate(prompts, sp)  # untimed warm-up (compiles), outside the counters below
             before[name] = engine.stats()
         for _ in range(args.repeats):  # the engines take turns, so a slow spell of the machine hits them alike
             for name, engine in engines:
-                engine.block_manager.invalidate_prefix_cache()
+                engine.core.block_manager.invalidate_prefix_cache()
                 t, _, out, _ = bc.timed_median(lambda e=engine: e.generate(prompts, sp), 1, warmup=False)
                 seconds[name].append(t)
                 outs[name] = [c.token_ids for o in out for c in o.outputs]
@@ -207,7 +207,7 @@ def main() -> None:
                 batch=batch, mode=mode, variant=name, num_prompts=num_prompts, prompt_tokens=[len(p) for p in prompts],
                 min_confidence=engine.runner.draft_min_confidence if args.eagle else None,
                 num_verify_steps=engine.runner.num_verify_steps if args.eagle else None,
-                auto_disable=engine.speculator.config.auto_disable, new_tokens=tokens,
+                auto_disable=engine.core.speculator.config.auto_disable, new_tokens=tokens,
                 plain_tok_s=tokens / plain_s, plain_seconds=plain_s, plain_seconds_all=seconds["plain"],
                 spec_tok_s=sum(len(t) for t in outs[name]) / spec_s, spec_seconds=spec_s, spec_seconds_all=seconds[name],
                 compilations_timed={n: e.stats().num_compilations - before[n].num_compilations for n, e in engines},

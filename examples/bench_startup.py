@@ -33,7 +33,7 @@ CONFIG = dict(max_num_seqs=64, max_model_len=512, max_num_batched_tokens=512)
 def worker(cache_dir: str, tiny: bool) -> None:
     t0 = time.perf_counter()
     from rollout import Engine, SamplingParams, load_tokenizer
-    from runner.compile_counter import num_compilations
+    from weight_sync.compiles import num_compilations
 
     before = num_compilations()
     if tiny:

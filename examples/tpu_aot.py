@@ -35,12 +35,13 @@ from model_configs import hf_config_dict  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from runner.build import RunnerOptions, build_runner  # noqa: E402
-from runner.models.registry import build_model  # noqa: E402
+from runner.models.registry import build_model, config_from_hf  # noqa: E402
 from runner.sharding import make_mesh  # noqa: E402
 from runner.model_runner import ModelRunner  # noqa: E402
+from runner.tpu_attention import TpuRaggedAttention  # noqa: E402
 from runner.warmup_steps import WarmupProgram  # noqa: E402
-from runner.step_inputs import StepBatch  # noqa: E402
-from runner.models.checkpoint import read_checkpoint  # noqa: E402
+from runner.step_plan import StepPlan  # noqa: E402
+from runner.models.loader import read_checkpoint  # noqa: E402
 from runner.models.config import ModelConfig  # noqa: E402
 from runner.models.default_model import default_model_path  # noqa: E402
 from runner.tpu_aot import CHIPS, ProgramMemory, StepPrediction, compile_warmup, kv_bytes, predict_step, topology_mesh  # noqa: E402
@@ -65,7 +66,7 @@ PREDICT = RunnerOptions(max_num_seqs=64, max_num_batched_tokens=512, max_model_l
 def model_config(name: str) -> ModelConfig:
     """bfloat16, as on a TPU: the embedded SmolLM2's config from its GGUF, the others from model_configs."""
     hf = read_checkpoint(default_model_path()).hf_config if name == "smollm2" else hf_config_dict(name)
-    return ModelConfig.from_hf_dict(hf, dtype="bfloat16")
+    return config_from_hf(hf, dtype="bfloat16")
 
 
 def parse_mesh(spec: str) -> tuple[str, tuple[int, int]]:
@@ -95,12 +96,12 @@ def predictions(runner: ModelRunner, chip: str) -> list[tuple[WarmupProgram, Ste
     itemsize = np.dtype(spec.dtype).itemsize
     weights = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(runner.params))
     own = 2 * spec.num_kv_heads * spec.head_dim * itemsize * spec.num_layers  # K/V bytes per token, unpadded
-    blocks = runner.backend.metadata_fields().get("tpu_blocks")
-    per_block = blocks.queries if blocks is not None else 32
+    kernel = runner.attention if isinstance(runner.attention, TpuRaggedAttention) else None
+    per_block = kernel.blocks.queries if kernel is not None else 32
     out = []
     for w in runner.warmup_programs:
-        q_lens, kv_lens = w.step.q_lens.tolist(), w.step.kv_lens.tolist()
-        read = kv_bytes(runner.backend.tpu_kernel, spec.num_layers, itemsize, q_lens, kv_lens, per_block)
+        q_lens, kv_lens = w.plan.tokens.q_lens.tolist(), w.plan.tokens.kv_lens.tolist()
+        read = kv_bytes(None if kernel is None else kernel.shape, spec.num_layers, itemsize, q_lens, kv_lens, per_block)
         cache = sum(int(np.prod(c.shape)) * c.dtype.itemsize for c in runner.kv_caches) // runner.kv_spec.num_replicas
         out.append((w, predict_step(w.program, CHIPS[chip], weight_bytes=weights, kv_read=read,
                                     kv_ideal=sum(kv_lens) * own, cache_bytes=cache)))
@@ -123,8 +124,8 @@ def measure(model: str, mesh_spec: str, options: RunnerOptions) -> dict[str, flo
     return times
 
 
-def step_label(step: StepBatch) -> str:
-    return f"{step.kind} {len(step.q_lens)} seqs / {len(step.token_ids)} tokens"
+def step_label(plan: StepPlan) -> str:
+    return f"{plan.kind} {plan.num_seqs} seqs / {len(plan.tokens.token_ids)} tokens"
 
 
 def main() -> None:
@@ -159,7 +160,7 @@ def main() -> None:
             if args.predict:
                 measured = measure(model, mesh, PREDICT) if jax.devices()[0].platform == "tpu" else {}
                 for w, pred in predictions(runner, topology.split(":")[0]):
-                    label = step_label(w.step)
+                    label = step_label(w.plan)
                     ratio = (f"  measured {measured[label] * 1e3:.3f} ms = {measured[label] / pred.predicted_seconds:.2f}x"
                              if label in measured else "")
                     xla = f"{pred.optimal_seconds * 1e3:.3f} ms" if pred.optimal_seconds > 0 else "n/a"

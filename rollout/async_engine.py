@@ -108,7 +108,7 @@ class AsyncEngine:
                         outs = await asyncio.to_thread(self.engine.step)
                     except Exception as err:  # the step's requests were aborted: their callers get the error
                         for rid, queue in self._queues.items():
-                            if rid not in self.engine.requests:
+                            if rid not in self.engine.core.requests:
                                 queue.put_nowait(err)
                         continue
                 for out in outs:

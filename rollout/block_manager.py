@@ -133,7 +133,7 @@ class BlockManager:
         """Release a sequence's blocks (most recent first, so older prefixes stay cached longest); a
         finished sequence first takes its computed tokens' routed experts (`routing`, when recorded)."""
         if self.routing is not None and seq.is_finished:
-            seq.routed_experts = self.routing.read(seq.block_table, seq.num_computed_tokens)
+            seq.out.routed_experts = self.routing.read(seq.block_table, seq.num_computed_tokens)
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1

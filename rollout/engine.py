@@ -1,11 +1,12 @@
-"""`Engine`: the public entry point. It builds the model runner and the engine core (the request
-table and its step: `rollout/engine_core.py`); `generate` and `rollout` are blocking clients of the
-core's `add_request` / `step`."""
+"""`Engine`: the public entry point. It builds the model runner (`runner.build.build_runner`) and holds the
+engine core (the request table and its step: `rollout/engine_core.py`), whose request API it offers;
+`generate` and `rollout` are blocking clients of the core's `add_request` / `step`."""
 
 from __future__ import annotations
 
 import dataclasses
 import gc
+from collections.abc import Iterable
 from typing import Sequence as Seq
 
 from jax.sharding import Mesh
@@ -14,38 +15,37 @@ from tqdm import tqdm
 from rollout.engine_config import EngineConfig, EngineStats
 from rollout.engine_core import EngineCore
 from rollout.outputs import RequestOutput, RolloutBatch
-from rollout.request_validation import Prompt, normalize_requests, prompt_token_ids
+from rollout.request_validation import Prompt, normalize_requests
 from rollout.rollout_batch import build_rollout_batch, build_trajectory_batch
 from rollout.sampling_params import SamplingParams
 from rollout.tokenizer import Tokenizer, load_tokenizer
 from rollout.trajectory import Trajectory
 from runner.build import build_runner
 from runner.compilation_cache import default_cache_dir, enable_compilation_cache, executables_dir
-from runner.compile_counter import num_compilations
+from runner.model_runner import ModelRunner
+from runner.models.config import ModelConfig
 from runner.models.family import CausalLM
 from runner.models.loader import load_model
 from runner.sharding import make_mesh
 
 
-class Engine(EngineCore):
+class Engine:
     """Continuous-batching rollout engine over a paged KV cache.
 
-    Request API (from `EngineCore`): `add_request`, `step`, `abort`, `has_unfinished_requests`,
-    `sync_weights` (legal between any two steps). Blocking clients: `generate`, `rollout`."""
+    Request API (its `EngineCore`, `engine.core`): `add_request`, `step`, `abort`, `resume`,
+    `has_unfinished_requests`, `sync_weights` (legal between any two steps). Blocking clients: `generate`,
+    `rollout`."""
 
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig,
                  mesh: Mesh | tuple[int, int] | None = None) -> None:
         cache_dir = _use_compilation_cache(config)
-        device_mesh = make_mesh(mesh)
         if config.record_routed_experts and not model.config.moe_layers:
             raise ValueError("record_routed_experts needs a mixture-of-experts model; this one has no routed-experts "
                              "layers (leave it False)")
-        runner = build_runner(model, device_mesh, config.runner_options(
+        runner = build_runner(model, make_mesh(mesh), config.runner_options(
             None if cache_dir is None else executables_dir(cache_dir)))
-        cfg = self.model_config = runner.config
-        super().__init__(runner, tokenizer, config,
-                         eos_token_ids=tuple(dict.fromkeys([*cfg.eos_token_ids, *tokenizer.eos_token_ids])))
-        self._compiles_at_start = num_compilations()
+        eos = tuple(dict.fromkeys([*runner.config.eos_token_ids, *tokenizer.eos_token_ids]))
+        self.core = EngineCore(runner, tokenizer, config, eos)
         if config.freeze_gc:
             freeze_heap()
 
@@ -72,6 +72,68 @@ class Engine(EngineCore):
         push updates with `sync_weights`)."""
         return cls(model, tokenizer, EngineConfig(**config), mesh)
 
+    @property
+    def runner(self) -> ModelRunner:
+        return self.core.runner
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.core.tokenizer
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.core.config
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.core.runner.config
+
+    @property
+    def policy_version(self) -> int | None:
+        """The version of the weights in force (None until the first `sync_weights`, or until set: a trainer
+        may name the initial weights' version)."""
+        return self.core.policy_version
+
+    @policy_version.setter
+    def policy_version(self, version: int | None) -> None:
+        self.core.policy_version = version
+
+    # ---- the request API (`EngineCore`) -----------------------------------------------------------
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Queue a prompt (text or token ids); returns its request id. `EngineCore.add_request`."""
+        return self.core.add_request(prompt, params, request_id)
+
+    def check_request(self, prompt: Prompt, params: SamplingParams) -> list[int]:
+        """The prompt's token ids, or the `ValueError` `add_request` would raise (nothing is queued)."""
+        return self.core.requests.prompt_ids(prompt, params)
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step; the outputs of the requests that changed. `EngineCore.step`."""
+        return self.core.step()
+
+    def abort(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
+        """End requests now; their final outputs. `EngineCore.abort`."""
+        return self.core.abort(request_ids)
+
+    def resume(self, request_id: str, params: SamplingParams | None = None) -> str:
+        """Continue an ended request cut by `max_tokens` or aborted. `EngineCore.resume`."""
+        return self.core.resume(request_id, params)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def admission_held(self) -> bool:
+        """Every unfinished sample waits for a new policy version (`EngineCore.admission_held`)."""
+        return self.core.admission_held()
+
+    def sync_weights(self, params: object, mapping: str | tuple | list | None = None, *,
+                     version: int | None = None, check_finite: bool = False,
+                     draft_params: object | None = None, draft_mapping: str | tuple | list | None = None,
+                     recompute_running: bool = False) -> None:
+        """New policy parameters, in place, between steps (no reload, no compile). `EngineCore.sync_weights`."""
+        self.core.sync_weights(params, mapping, version=version, check_finite=check_finite, draft_params=draft_params,
+                               draft_mapping=draft_mapping, recompute_running=recompute_running)
+
     # ---- blocking clients -------------------------------------------------------------------
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  *, use_tqdm: bool = False) -> list[RequestOutput]:
@@ -79,34 +141,35 @@ class Engine(EngineCore):
 
         Every prompt is validated before any is queued. Requests added with `add_request` before the
         call run alongside; their outputs of these steps are returned by the next `step()`."""
+        core = self.core
         prompts_list, params_list = normalize_requests(prompts, sampling_params)
-        token_lists = [prompt_token_ids(p, sp, self.tokenizer, self._limits) for p, sp in zip(prompts_list, params_list)]
+        token_lists = [core.requests.prompt_ids(p, sp) for p, sp in zip(prompts_list, params_list)]
         distinct = {id(sp): sp for sp in params_list}  # a copy validates itself: one per distinct object
         final_only = {key: dataclasses.replace(sp, output_kind="final_only") for key, sp in distinct.items()}
-        mine = [self._add(prompt if isinstance(prompt, str) else None, ids, final_only[id(sp)],
-                          self._check_request_id(None))
+        mine = [core.add_checked(prompt if isinstance(prompt, str) else None, ids, final_only[id(sp)],
+                                 core.requests.new_id(None))
                 for prompt, ids, sp in zip(prompts_list, token_lists, params_list)]
         results: dict[str, RequestOutput] = {}
         wanted = set(mine)
         bar = tqdm(total=len(mine), desc="generate", disable=not use_tqdm)
         try:
             while len(results) < len(mine):
-                if self.admission_held():
+                if core.admission_held():
                     raise RuntimeError(
                         f"lag-aware admission holds every waiting sample (max_policy_lag={self.config.max_policy_lag}, "
-                        f"samples_per_version={self.config.samples_per_version}: {self.scheduler.num_started} "
+                        f"samples_per_version={self.config.samples_per_version}: {core.scheduler.num_started} "
                         "started): a blocking generate() cannot wait for sync_weights; use add_request/step or "
                         "AsyncEngine, or ask for fewer samples per call")
-                for out in self.step():
+                for out in core.step():
                     if out.request_id in results or out.request_id not in wanted:  # final-only: one output each
-                        self._deferred.append(out)  # another caller's request: kept for its next step()
+                        core.defer([out])  # another caller's request: kept for its next step()
                     else:
                         results[out.request_id] = out
                         bar.update(1)
         except BaseException:
-            self.abort([rid for rid in mine if rid not in results])  # the engine stays usable
-            self.block_manager.invalidate_prefix_cache()  # nothing computed in a failed call is reused
-            self._deferred = [o for o in self._deferred if o.request_id not in wanted]
+            core.abort([rid for rid in mine if rid not in results])  # the engine stays usable
+            core.block_manager.invalidate_prefix_cache()  # nothing computed in a failed call is reused
+            core.drop_deferred(wanted)
             raise
         finally:
             bar.close()
@@ -130,10 +193,11 @@ class Engine(EngineCore):
         """Free the KV cache's device memory (and, with `offload_weights`, move the weights to host
         memory) while the trainer needs the accelerator; `wake()` restores both without compiling.
         Refused while requests are unfinished (abort or finish them first); nothing runs while asleep."""
-        if self.requests or self.has_unfinished_requests():
-            raise RuntimeError(f"sleep() with {len(self.requests)} unfinished request(s): finish or abort them first")
+        if len(self.core.requests) or self.has_unfinished_requests():
+            raise RuntimeError(f"sleep() with {len(self.core.requests)} unfinished request(s): finish or abort them "
+                               "first")
         self.runner.release(offload_weights=offload_weights)
-        self.block_manager.invalidate_prefix_cache()  # the cached K/V is gone
+        self.core.block_manager.invalidate_prefix_cache()  # the cached K/V is gone
 
     def wake(self) -> None:
         """Bring back what `sleep` freed (a zeroed KV cache, the weights as they were)."""
@@ -145,7 +209,7 @@ class Engine(EngineCore):
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prompt prefix (the next requests recompute their prompts)."""
-        self.block_manager.invalidate_prefix_cache()
+        self.core.block_manager.invalidate_prefix_cache()
 
     @property
     def model(self) -> CausalLM:
@@ -162,20 +226,11 @@ class Engine(EngineCore):
         """
         spec = self.config.speculative
         return self.runner.warmup(prompt_logprobs=prompt_logprobs, speculative_k=spec.k if spec else 0,
-                                  rejection=self._rejection, use_tqdm=use_tqdm)
+                                  rejection=spec is not None and spec.verification == "rejection", use_tqdm=use_tqdm)
 
     def stats(self) -> EngineStats:
-        """Counters since the engine was built (a copy)."""
-        backend = self.runner.backend.status()
-        return dataclasses.replace(
-            self.stats_, num_preemptions=self.scheduler.num_preemptions, num_lag_held=self.scheduler.num_held,
-            prefix_cache_hit_tokens=self.block_manager.num_cache_hit_tokens,
-            prefix_cache_queried_tokens=self.block_manager.num_cache_queried_tokens,
-            num_compilations=num_compilations() - self._compiles_at_start,
-            backend=backend.name, cpu_row_kernel=backend.matmul, cpu_amx=backend.amx, attention_impl=backend.attention,
-            cpu_bf16_matmul=backend.bf16_matmul, batch_invariant=backend.batch_invariant,
-            attention_kernel=backend.attention_kernel,
-            speculative=dataclasses.replace(self.speculator.stats) if self.speculator is not None else None)
+        """Counters since the engine was built (a copy). `EngineCore.stats`."""
+        return self.core.stats()
 
 
 def _use_compilation_cache(config: EngineConfig) -> str | None:

@@ -6,8 +6,8 @@ import dataclasses
 
 from rollout.scheduler import ScheduledBatch
 from rollout.speculator import SpecStats
-from runner.attention import ATTENTION_IMPLS
 from runner.backends import BACKENDS
+from runner.backends.attention_kernels import ATTENTION_IMPLS
 from runner.build import RunnerOptions
 from runner.spec_decode.eagle3_config import Eagle3Config
 from runner.spec_decode.ngram import NgramConfig
@@ -51,13 +51,14 @@ class EngineConfig:
     # "tpu": the KV cache in the layout of JAX's TPU `ragged_paged_attention`, every step through that
     # kernel on a TPU and through the pure-JAX reference of that layout elsewhere (docs/tpu.md).
     attention_backend: str = "auto"
-    # CPU backend: the few-row matmul kernel, AMX tiles where the CPU has them (off: a bfloat16 model's
-    # matmuls go to the AVX512_BF16 kernel where the CPU has that), and from how many rows AMX takes layer
-    # matmuls the row kernel could (the environment switches JAX_ROLLOUT_ROW_KERNEL=0, JAX_ROLLOUT_AMX=0
-    # and JAX_ROLLOUT_AMX_FROM_ROWS override these when the engine is built)
+    # CPU backend (`runner/backends/cpu/`): the few-row matmul kernel, AMX tiles where the CPU has them (off: a
+    # bfloat16 model's matmuls go to the AVX512_BF16 kernel where the CPU has that), from how many rows AMX
+    # takes layer matmuls the row kernel could, and the AVX512_BF16 kernel for a bfloat16 model without AMX.
+    # These fields are the one way to set them (nothing is read from the environment).
     cpu_row_kernel: bool = True
     cpu_amx: bool = True
     cpu_amx_from_rows: int = 41
+    cpu_bf16_matmul: bool = True
     # Batch-invariant mode (RL fidelity): a request's raw logprobs (and so its greedy or seeded tokens) are
     # bitwise the same whatever shares its batch, however its prompt is chunked, whether its prefix came
     # from the cache, after preemption, with or without speculation: every matmul on one kernel at every row
@@ -110,8 +111,8 @@ class EngineConfig:
             raise ValueError(f"speculative k must be <= 7 (a verification row holds 8 tokens), got {self.speculative.k}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        for name in ("cpu_row_kernel", "cpu_amx", "async_scheduling", "enable_prefix_caching", "batch_invariant",
-                     "freeze_gc"):
+        for name in ("cpu_row_kernel", "cpu_amx", "cpu_bf16_matmul", "async_scheduling", "enable_prefix_caching",
+                     "batch_invariant", "freeze_gc"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.cpu_amx_from_rows, int) or self.cpu_amx_from_rows < 1:
@@ -156,7 +157,8 @@ class EngineConfig:
             max_model_len=self.max_model_len, block_size=self.block_size, kv_cache_blocks=self.kv_cache_blocks,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes, backend=self.backend,
             attention_backend=self.attention_backend, cpu_row_kernel=self.cpu_row_kernel, cpu_amx=self.cpu_amx,
-            cpu_amx_from_rows=self.cpu_amx_from_rows, batch_invariant=self.batch_invariant,
+            cpu_amx_from_rows=self.cpu_amx_from_rows, cpu_bf16_matmul=self.cpu_bf16_matmul,
+            batch_invariant=self.batch_invariant,
             max_logprobs=self.max_logprobs if self.max_logprobs >= 0 else 20, max_kept_ids=self.max_kept_ids,
             num_scheduler_steps=self.num_scheduler_steps, speculative_k=spec.k if spec is not None else 0,
             eagle3=spec if isinstance(spec, Eagle3Config) else None, executable_dir=executable_dir,
@@ -168,10 +170,10 @@ class EngineStats:
     """Counters since the engine was built."""
 
     num_steps: int = 0
-    num_prefill_steps: int = 0
-    num_decode_steps: int = 0  # decode calls: each runs up to `num_scheduler_steps` steps
-    prefill_tokens: int = 0
-    decode_tokens: int = 0  # decode steps scheduled, summed over sequences
+    num_prefill_steps: int = 0  # ragged steps: chunks of prompts, with a token of every running decode
+    num_decode_steps: int = 0  # decode loops and verifications: each runs up to `num_scheduler_steps` steps
+    prefill_tokens: int = 0  # tokens computed in ragged steps (their decodes' tokens included)
+    decode_tokens: int = 0  # decode steps scheduled in decode loops and verifications, summed over sequences
     generated_tokens: int = 0
     num_sequences: int = 0
     num_preemptions: int = 0
@@ -191,9 +193,10 @@ class EngineStats:
     # runs, else >= 9; the tied head's past 8 rows); else why not
     cpu_amx: str = ""
     cpu_bf16_matmul: str = ""  # a bfloat16 model's matmuls: "ok: AMX tiles" / "ok: AVX512_BF16 ..." or why XLA's dot
-    attention_impl: str = ""  # the attention kernel of decode / verification steps (runner.attention.ATTENTION_IMPLS)
-    # the TPU ragged kernel's shapes (the model's heads, or what is zero-padded and the cache's cost) and its
-    # block sizes per chip generation (`runner.tpu_attention`); "" where the kernel does not run
+    attention_impl: str = ""  # the attention kernel of every step (runner.backends.attention_kernels.ATTENTION_IMPLS)
+    # which steps the attention kernel serves and which the pure-JAX path takes, and why; for the TPU ragged
+    # kernel its shapes (the model's heads, or what is zero-padded and the cache's cost) and its block sizes
+    # per chip generation (`runner.tpu_attention`)
     attention_kernel: str = ""
     batch_invariant: str = ""  # "on: ..." (which kernels sum each row alike) or "off" (`EngineConfig.batch_invariant`)
 
@@ -201,9 +204,10 @@ class EngineStats:
     def generated_tokens_per_second(self) -> float:
         return self.generated_tokens / self.generate_seconds if self.generate_seconds else 0.0
 
-    def record_step(self, batch: ScheduledBatch) -> None:
+    def record_step(self, kind: str, batch: ScheduledBatch) -> None:
+        """Count one device call of a plan `kind` (`runner.step_plan.PLAN_KINDS`)."""
         self.num_steps += 1
-        if batch.is_prefill:
+        if kind == "ragged":
             self.num_prefill_steps += 1
             self.prefill_tokens += batch.num_tokens
         else:

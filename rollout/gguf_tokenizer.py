@@ -13,6 +13,8 @@ from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.models import BPE
 
+from runner.models.gguf_file import read_gguf_file
+
 # GGUF token types (llama.cpp `llama_token_type`).
 _GGUF_CONTROL = 3
 _GGUF_USER_DEFINED = 4
@@ -71,8 +73,6 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 def read_gguf_tokenizer_fields(path: str) -> dict[str, Any]:
     """`general.architecture` and every `tokenizer.*` metadata value of a GGUF file."""
-    from runner.models.gguf_file import read_gguf_file
-
     try:
         fields = read_gguf_file(path).fields
     except Exception as e:  # struct / memmap errors of several kinds on a bad file

@@ -10,13 +10,8 @@ so a trainer can replay the routing of every token it scores. Plain numpy: testa
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 from jaxtyping import Int
-
-if TYPE_CHECKING:
-    from runner.models.config import ModelConfig
 
 
 class RoutingRecord:
@@ -25,11 +20,6 @@ class RoutingRecord:
     def __init__(self, num_blocks: int, block_size: int, num_layers: int, top_k: int) -> None:
         self.block_size = block_size
         self.experts: Int[np.ndarray, "slots L k"] = np.zeros((num_blocks * block_size, num_layers, top_k), np.int16)
-
-    @classmethod
-    def for_model(cls, config: ModelConfig, num_blocks: int, block_size: int) -> RoutingRecord:
-        """A record of a model's routed-experts layers over `num_blocks` KV blocks."""
-        return cls(num_blocks, block_size, len(config.moe_layers), config.num_experts_per_tok)
 
     def slots(self, block_table: list[int], positions: Int[np.ndarray, "n"]) -> Int[np.ndarray, "n"]:
         """KV slots of a sequence's `positions`."""

@@ -179,10 +179,3 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
-    def needs_filtering(self) -> bool:
-        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0

@@ -1,10 +1,14 @@
-"""The scheduler: which sequences run in the next step, under token, sequence and KV-block budgets.
+"""The scheduler: which sequences compute which tokens in the next step, under token, sequence and
+KV-block budgets. Plain Python.
 
-Plain Python. A step is either a prefill step (sequences with several tokens lacking K/V: new
-prompts, chunks of long prompts, recomputation after preemption) or a decode step (every running
-sequence computes its last token and samples the next). Prefill work goes first. When KV blocks
-run out, the most recently admitted running sequence is preempted: its blocks are freed and it is
-recomputed later. No request fails for lack of memory alone.
+vLLM v1's model: a sequence has computed tokens (K/V in the cache) and total tokens, nothing else says
+"prefill" or "decode". A step gives every running sequence with one pending token (a decode) that token
+first, then fills the rest of `max_num_batched_tokens` with chunks of pending prompts (resumed ones,
+preempted ones recomputing, new ones admitted from the queue), all in one ragged step. While no prompt
+waits to be computed, the step is a decode loop instead: every running sequence decodes up to
+`num_scheduler_steps` tokens in one device call. When KV blocks run out, the most recently admitted
+running sequence is preempted: its blocks are freed and it is recomputed later. No request fails for
+lack of memory alone, and arriving prompts never stall running decodes.
 
 Data parallelism: with `num_replicas > 1` each replica has its own KV blocks and its own budgets
 (`max_num_seqs`, `max_num_batched_tokens` per replica, like one vLLM engine per data-parallel
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from typing import Literal
 
 import numpy as np
 
@@ -35,6 +40,9 @@ class SchedulerConfig:
     decode_steps: int = 1
     num_replicas: int = 1  # data-parallel replicas; the two budgets above apply to each
     num_scheduler_steps: int = 1  # multi-step decode: decode steps per call, each sequence's count in num_new_tokens
+    # speculation (drafts are made only in decode steps): after a ragged step, one decode step of the running
+    # decodes before the next ragged one, so arrivals cannot keep every step draft-free
+    interleave_decodes: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "decode_steps", "num_replicas",
@@ -43,15 +51,17 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
+BatchKind = Literal["ragged", "decode_loop"]
+
+
 @dataclasses.dataclass(frozen=True)
 class ScheduledBatch:
-    """One step's work: the sequences and how many of their pending tokens each computes.
+    """One step's work. A ragged step: each sequence computes `num_new_tokens` of its pending tokens (a
+    decode its last one, a prefill a chunk) and samples after them if they reach its end. A decode loop:
+    every sequence decodes, `num_new_tokens` = its decode steps in the call (one token's K/V computed and
+    one sampled per step)."""
 
-    In a multi-step decode batch (`num_scheduler_steps > 1`), `num_new_tokens` is the number of
-    decode steps each sequence runs in the call (one token's K/V computed and one sampled per step).
-    """
-
-    is_prefill: bool
+    kind: BatchKind
     seqs: list[Sequence]
     num_new_tokens: list[int]
 
@@ -73,6 +83,7 @@ class Scheduler:
         self.admission_limit: int | None = None  # most samples that may have started (lag-aware admission)
         self.num_started = 0
         self.num_held = 0  # samples the limit postponed at least once
+        self._last_kind: BatchKind | None = None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -93,16 +104,44 @@ class Scheduler:
                 and self.num_started >= self.admission_limit and not any(s.started for s in self.waiting))
 
     def schedule(self) -> ScheduledBatch:
-        batch = self._schedule_prefill()
-        if batch.seqs:
-            return batch
-        return self._schedule_decode()
+        """A ragged step while some prompt can be computed (a running chunked prefill, or a waiting sequence
+        that fits), else a decode loop of every running sequence (`interleave_decodes`: also right after a
+        ragged step, when some sequence decodes)."""
+        after_ragged = self._last_kind == "ragged" and any(not s.is_prefilling for s in self.running)
+        if self._prefill_waits() and not (self.config.interleave_decodes and after_ragged):
+            batch = self._schedule_ragged()
+        else:
+            batch = self._schedule_decode_loop()
+        self._last_kind = batch.kind
+        return batch
 
-    def _schedule_prefill(self) -> ScheduledBatch:
+    def _prefill_waits(self) -> bool:
+        """A running sequence is prefilling, or the first waiting sequence admission would take fits."""
+        if any(seq.is_prefilling for seq in self.running):
+            return True
+        for seq in self.waiting:
+            if self._admissible(seq, set()) and not self._held(seq):
+                num_running = collections.Counter(s.replica for s in self.running)
+                budgets = [self.config.max_num_batched_tokens] * self.config.num_replicas
+                return self._place(seq, budgets, num_running) is not None
+        return False
+
+    def _held(self, seq: Sequence) -> bool:
+        """Lag-aware admission postpones this new sample."""
+        return not seq.started and self.admission_limit is not None and self.num_started >= self.admission_limit
+
+    def _schedule_ragged(self) -> ScheduledBatch:
         budgets = [self.config.max_num_batched_tokens] * self.config.num_replicas
         seqs: list[Sequence] = []
         counts: list[int] = []
-        for seq in self.running:  # unfinished chunked prefills first
+        preemptions = self.num_preemptions
+        for seq in sorted(self.running, key=lambda s: s.arrival):  # running decodes first: one token each
+            if seq.status == SequenceStatus.RUNNING and not seq.is_prefilling and budgets[seq.replica] > 0 \
+                    and self._make_room(seq, 0):
+                seqs.append(seq)
+                counts.append(1)
+                budgets[seq.replica] -= 1
+        for seq in self.running:  # then unfinished chunked prefills
             if budgets[seq.replica] > 0 and seq.is_prefilling:
                 take = min(seq.num_tokens - seq.num_computed_tokens, budgets[seq.replica])
                 seqs.append(seq)
@@ -112,12 +151,13 @@ class Scheduler:
         skipped: list[Sequence] = []
         prompt_in_step: set[int] = set()
         num_running = collections.Counter(s.replica for s in self.running)  # per replica, kept up to date below
-        while self.waiting and any(b > 0 for b in budgets):
+        # no admission in a step that preempted (what was freed goes to the running sequences)
+        while self.waiting and any(b > 0 for b in budgets) and self.num_preemptions == preemptions:
             seq = self.waiting.popleft()
             if not self._admissible(seq, prompt_in_step):
                 skipped.append(seq)
                 continue
-            if not seq.started and self.admission_limit is not None and self.num_started >= self.admission_limit:
+            if self._held(seq):
                 self.num_held += not seq.held  # (a preempted or resumed sample behind it still runs)
                 seq.held = True
                 skipped.append(seq)
@@ -142,7 +182,23 @@ class Scheduler:
             if seq.num_computed_tokens + take >= seq.num_prompt_tokens:
                 prompt_in_step.add(seq.request_id)
         self.waiting.extendleft(reversed(skipped))
-        return ScheduledBatch(True, seqs, counts)
+        kept = [i for i, s in enumerate(seqs) if s.status == SequenceStatus.RUNNING]  # (one may have been preempted)
+        return ScheduledBatch("ragged", [seqs[i] for i in kept], [counts[i] for i in kept])
+
+    def _make_room(self, seq: Sequence, extra: int) -> bool:
+        """KV blocks for `extra` tokens past the sequence's current ones, preempting the newest running
+        sequences of its replica while they do not fit; False if `seq` itself was preempted."""
+        while not self.block_manager.can_append(seq, extra):
+            same_replica = [s for s in self.running if s.replica == seq.replica]
+            victim = max(same_replica, key=lambda s: s.arrival)
+            if victim is seq and len(same_replica) == 1:
+                raise RuntimeError("the KV cache cannot hold even one sequence of max_model_len tokens; "
+                                   "raise kv_cache_blocks or lower max_model_len")
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        self.block_manager.append(seq, extra)
+        return True
 
     def _place(self, seq: Sequence, budgets: list[int], running: collections.Counter[int]) -> int | None:
         """The replica a waiting sequence joins: most cached prefix blocks, then fewest running; None = none fits."""
@@ -152,32 +208,21 @@ class Scheduler:
             return None
         return max(fits, key=lambda r: (self.block_manager.num_cached_blocks(seq, r), -running[r], -r))
 
-    def _schedule_decode(self) -> ScheduledBatch:
-        """Every running sequence computes its last token; room is made for `decode_steps` tokens
-        (or, multi-step, for as many steps as it may still take, up to `num_scheduler_steps`)."""
+    def _schedule_decode_loop(self) -> ScheduledBatch:
+        """Every running sequence decodes; room is made for `decode_steps` tokens (or for as many steps as
+        it may still take, up to `num_scheduler_steps`)."""
         scheduled: list[Sequence] = []
         steps: list[int] = []
         for seq in sorted(self.running, key=lambda s: s.arrival):
-            if seq.status != SequenceStatus.RUNNING:  # preempted below to make room for an older one
+            if seq.status != SequenceStatus.RUNNING or seq.is_prefilling:  # (preempted below; a prompt's chunk)
                 continue
             num_steps = max(1, min(self.config.num_scheduler_steps, seq.max_new_tokens(self.config.max_model_len)))
             extra = max(num_steps - 1, min(self.config.decode_steps - 1, self.config.max_model_len - seq.num_tokens))
-            while not self.block_manager.can_append(seq, extra):
-                same_replica = [s for s in self.running if s.replica == seq.replica]
-                victim = max(same_replica, key=lambda s: s.arrival)
-                if victim is seq and len(same_replica) == 1:
-                    raise RuntimeError(
-                        "the KV cache cannot hold even one sequence of max_model_len tokens; "
-                        "raise kv_cache_blocks or lower max_model_len")
-                self.preempt(victim)
-                if victim is seq:
-                    break
-            if seq.status == SequenceStatus.RUNNING:
-                self.block_manager.append(seq, extra)
+            if self._make_room(seq, extra):
                 scheduled.append(seq)
                 steps.append(num_steps)
         kept = [i for i, s in enumerate(scheduled) if s.status == SequenceStatus.RUNNING]
-        return ScheduledBatch(False, [scheduled[i] for i in kept], [steps[i] for i in kept])
+        return ScheduledBatch("decode_loop", [scheduled[i] for i in kept], [steps[i] for i in kept])
 
     def schedule_ahead(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, list[int]] | None:
         """The multi-step decode call after `batch`, planned while `batch` runs on the device (its tokens
@@ -187,7 +232,7 @@ class Scheduler:
         is not a decode of every running sequence, requests wait, every sequence ends in `batch`, or
         the blocks do not fit without preempting (the caller then finishes `batch` first)."""
         cfg = self.config
-        if batch.is_prefill or self.waiting or len(batch.seqs) != len(self.running) or cfg.decode_steps > 1:
+        if batch.kind != "decode_loop" or self.waiting or len(batch.seqs) != len(self.running) or cfg.decode_steps > 1:
             return None
         seqs, done = batch.seqs, np.asarray(batch.num_new_tokens, np.int64)
         num_tokens, num_output = token_counts(seqs)
@@ -207,7 +252,7 @@ class Scheduler:
         for i, n in zip(kept[need > 0].tolist(), reach[need > 0].tolist()):
             self.block_manager.append(seqs[i], n)
         kept, steps = kept.tolist(), steps.tolist()
-        return ScheduledBatch(False, [batch.seqs[i] for i in kept], steps), kept
+        return ScheduledBatch("decode_loop", [batch.seqs[i] for i in kept], steps), kept
 
     def preempt(self, seq: Sequence, *, count: bool = True) -> None:
         """Free a running sequence's blocks and put it back at the head of the queue (its tokens so far
@@ -241,6 +286,33 @@ class Scheduler:
             elif seq.status == SequenceStatus.WAITING and seq in self.waiting:
                 self.waiting.remove(seq)
                 seq.status = SequenceStatus.FINISHED
+
+    def recompute_running(self, version: int | None) -> None:
+        """Free every running sequence's K/V (computed under weights just replaced) to recompute it under
+        `version`, from which its policy lag counts."""
+        for seq in sorted(self.running, key=lambda s: -s.arrival):
+            self.preempt(seq, count=False)
+            seq.admitted_version = version
+
+    def bound_lag(self, version: int, max_lag: int, recompute: bool) -> tuple[list[Sequence], int]:
+        """Samples that began more than `max_lag` versions before `version` (None counts as 0) are aborted,
+        or (`recompute`) recomputed under the weights in force from now; returns (the aborted ones, how many
+        were recomputed). A sample not begun yet starts its lag now."""
+        aborted, recomputed = [], 0
+        for seq in [s for s in [*self.running, *self.waiting] if not s.is_finished]:
+            if not seq.num_output_tokens and seq not in self.running:
+                seq.admitted_version = version
+            if version - (seq.admitted_version or 0) <= max_lag:
+                continue
+            if recompute:
+                if seq in self.running:
+                    self.preempt(seq, count=False)
+                seq.admitted_version = version
+                recomputed += 1
+            else:
+                self.abort([seq])
+                aborted.append(seq)
+        return aborted, recomputed
 
     def forget_request(self, request_id: str | int) -> None:
         self._prefilled_requests.discard(request_id)

@@ -1,12 +1,17 @@
-"""`Sequence`: one sample (one of a request's n) as the scheduler and block manager see it."""
+"""`Sequence`: one sample (one of a request's n), split by concern: what the scheduler and block manager
+see (tokens, computed tokens, blocks, status), what it produced (`SampleOutput`, `seq.out`), and what
+plans read of it, built once (`PlanRows`, `seq.rows`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 
 import numpy as np
 
+from rollout.detokenizer import IncrementalDetokenizer
 from rollout.sampling_params import SamplingParams
+from rollout.tokenizer import Tokenizer
 from runner.sampling_rows import SamplingRow
 
 
@@ -16,8 +21,40 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclasses.dataclass
+class SampleOutput:
+    """What a sample produced: per output token its policy version, logprob (with alternatives, rank and
+    sampling record, as asked), the prompt's logprobs, how it ended and its text so far."""
+
+    versions: list[int | None] = dataclasses.field(default_factory=list)  # policy version that sampled each token
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    top: list[tuple[list[int], list[float]]] = dataclasses.field(default_factory=list)
+    ranks: list[int] = dataclasses.field(default_factory=list)  # of each sampled token in its logprobs mode
+    kept_logmass: list[float] = dataclasses.field(default_factory=list)  # the sampling record
+    kept_ids: list[list[int] | None] = dataclasses.field(default_factory=list)  # None where the set exceeds max
+    prompt_logprobs: list[float] = dataclasses.field(default_factory=list)  # of prompt token i+1 given tokens <= i
+    prompt_top: list[tuple[list[int], list[float]]] = dataclasses.field(default_factory=list)
+    # each computed token's experts per routed-experts layer, read when the blocks are released
+    # (`rollout.routing_record`; None unless the engine records them)
+    routed_experts: np.ndarray | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    stop_text_at: int | None = None  # where the stop string that ended it starts in the output text
+    detokenizer: IncrementalDetokenizer | None = None  # its output text so far (stop strings, streams)
+
+
+@dataclasses.dataclass
+class PlanRows:
+    """What plans read of a sequence, built once (not once per step)."""
+
+    sampling_row: SamplingRow | None = None  # its sampling settings as a step packs them
+    ending_ids: tuple[int, ...] | None = None  # ids that stop it: EOS unless ignored, its stop ids
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()  # `SamplingParams.bad_words` tokenized (set on add)
+    distinct_prompt_ids: tuple[int, ...] | None = None  # for the repetition penalty
+
+
 class Sequence:
-    """Token ids (prompt + output so far), KV bookkeeping and the per-token results of one sample."""
+    """Token ids (prompt + output so far) and KV bookkeeping of one sample; its results in `out`."""
 
     def __init__(self, seq_id: int, request_id: str | int, sample_index: int, prompt_ids: list[int],
                  params: SamplingParams, seed: int, arrival: int) -> None:
@@ -34,44 +71,32 @@ class Sequence:
         self.block_table: list[int] = []
         self.replica = 0  # data-parallel replica whose KV blocks it holds (set on admission)
         self.status = SequenceStatus.WAITING
-        self.output_versions: list[int | None] = []  # policy version that sampled each output token
-        self.admitted_version: int | None = None  # policy version in force when it was added
-        self.output_logprobs: list[float] = []
-        self.output_top: list[tuple[list[int], list[float]]] = []
-        self.output_ranks: list[int] = []  # rank of each sampled token in its logprobs mode (with logprobs)
-        # each computed token's experts per routed-experts layer, read when the blocks are released
-        # (`rollout.routing_record`; None unless the engine records them)
-        self.routed_experts: np.ndarray | None = None
-        self.output_kept_logmass: list[float] = []  # the sampling record (`SamplingParams.sampling_record`)
-        self.output_kept_ids: list[list[int] | None] = []  # the kept set where it fits `max_kept_ids`, else None
-        self.prompt_logprobs: list[float] = []  # logprob of prompt token i+1 given tokens <= i
-        self.prompt_top: list[tuple[list[int], list[float]]] = []
-        self.finish_reason: str | None = None
-        self.stop_reason: int | str | None = None
-        self.stop_text_checked = ""  # the output text as last searched for stop strings
-        self.stop_text_at: int | None = None  # where the stop string that ended it starts in the output text
+        self.admitted_version: int | None = None  # policy version its lag counts from
         self.num_preemptions = 0
-        self.sampling_row: SamplingRow | None = None  # its sampling settings as a step packs them (built once)
-        self.ending_ids: tuple[int, ...] | None = None  # ids that stop it: EOS unless ignored, its stop ids (built once)
-        self.tokens_per_draft_step: float | None = None  # speculative decoding: EMA of tokens emitted per verification
         self.started = False  # admitted once (a preempted or resumed sample is not new)
         self.held = False  # postponed by lag-aware admission at least once
-        self.bad_word_ids: tuple[tuple[int, ...], ...] = ()  # `SamplingParams.bad_words` tokenized (set on add)
-        self.distinct_prompt_ids: tuple[int, ...] | None = None  # for the repetition penalty (built once)
+        self.out = SampleOutput()
+        self.rows = PlanRows()
+
+    def text_decoder(self, tokenizer: Tokenizer) -> IncrementalDetokenizer:
+        """Its incremental detokenizer (made on first use: stop strings, streamed deltas)."""
+        if self.out.detokenizer is None:
+            self.out.detokenizer = IncrementalDetokenizer(tokenizer, self.params.skip_special_tokens)
+        return self.out.detokenizer
 
     @property
     def reads_output(self) -> bool:
         """Its logits processors read the tokens sampled so far (penalties, bad words)."""
-        return self.params.has_penalties or bool(self.bad_word_ids)
+        return self.params.has_penalties or bool(self.rows.bad_word_ids)
 
     def reset_for_resume(self) -> None:
         """Waiting again after it ended (aborted or cut by length): tokens and results kept, K/V to recompute."""
         self.status = SequenceStatus.WAITING
-        self.finish_reason = self.stop_reason = self.stop_text_at = None
+        out = self.out
+        out.finish_reason = out.stop_reason = out.stop_text_at = out.detokenizer = out.routed_experts = None
         self.num_computed_tokens = self.num_cached_tokens = 0
         self.block_table = []
-        self.routed_experts = None
-        self.sampling_row = self.ending_ids = None  # its params changed
+        self.rows = PlanRows(bad_word_ids=self.rows.bad_word_ids)  # its params changed
 
     @property
     def num_tokens(self) -> int:

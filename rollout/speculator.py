@@ -13,6 +13,7 @@ drafting, that estimate drifts back towards the population's mean, since nothing
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -20,7 +21,7 @@ import numpy as np
 
 from rollout.scheduler import ScheduledBatch
 from rollout.sequence import Sequence
-from runner.compile_counter import num_compilations
+from weight_sync.compiles import num_compilations
 from runner.spec_decode.eagle3_config import Eagle3Config
 from runner.spec_decode.ngram import NgramConfig, propose_batch
 
@@ -84,6 +85,8 @@ class Speculator:
         self._probing = False  # the last decision took the losing path to re-measure it
         self._untimed = False  # the last decision ran a lone plain step (`propose`): not timed
         self._population_tokens_per_step: float | None = None  # mean over recent (sequence, verification) pairs
+        # each sequence's tokens emitted per verification step, an EMA (none until it first verified)
+        self._estimates: weakref.WeakKeyDictionary[Sequence, float] = weakref.WeakKeyDictionary()
 
     def propose(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, list[np.ndarray] | None]:
         """The batch to run and its drafts per sequence (None: decode plainly).
@@ -98,7 +101,7 @@ class Speculator:
         """
         self._compiles = num_compilations()
         self._untimed = False
-        if batch.is_prefill or not batch.seqs:
+        if batch.kind != "decode_loop" or not batch.seqs:
             return batch, None
         one_step = dataclasses.replace(batch, num_new_tokens=[1] * len(batch.seqs))
         if not self._worth_it(batch.seqs):
@@ -152,11 +155,11 @@ class Speculator:
         return float(np.mean([self._estimate(s) for s in seqs]))
 
     def _estimate(self, seq: Sequence) -> float:
-        return 1.0 + self.config.k if seq.tokens_per_draft_step is None else seq.tokens_per_draft_step
+        return self._estimates.get(seq, 1.0 + self.config.k)
 
     def _record_yield(self, seq: Sequence, emitted: int) -> None:
         """Move the sequence's own estimate (from 1 + k at first) and the population's mean towards `emitted`."""
-        seq.tokens_per_draft_step = (1 - EMA) * self._estimate(seq) + EMA * emitted
+        self._estimates[seq] = (1 - EMA) * self._estimate(seq) + EMA * emitted
         pop = self._population_tokens_per_step
         self._population_tokens_per_step = emitted if pop is None else (1 - POPULATION_EMA) * pop + POPULATION_EMA * emitted
 
@@ -168,8 +171,8 @@ class Speculator:
             return
         keep = (1 - STALE_DECAY) ** num_steps
         for seq in seqs:
-            if seq.tokens_per_draft_step is not None:
-                seq.tokens_per_draft_step = pop + keep * (seq.tokens_per_draft_step - pop)
+            if seq in self._estimates:
+                self._estimates[seq] = pop + keep * (self._estimates[seq] - pop)
 
     def _drafting_pays(self, tokens_per_step: float, num_seqs: int) -> bool | None:
         """Drafting's tokens per second at `tokens_per_step` against plain decoding's, at this batch size
@@ -209,6 +212,19 @@ class Speculator:
             self._probe_every, self._steps_since_probe = EXPLORE_EVERY, 0
         self._last_choice = choice
         return choice
+
+    def record(self, kind: str, seqs: list[Sequence], drafts: list[tuple[Sequence, int, int]], verified: bool,
+               version: int | None, *, seconds: float, num_steps: float) -> None:
+        """After a decode loop or a verification (plan `kind`) of `seqs`: acceptance per (sequence, drafted,
+        accepted drafts), or an unsure step (`verified` False: the head decoded plainly), and its time per step."""
+        if kind != "decode_loop" and verified:
+            for seq, drafted, accepted in drafts:
+                self.record_acceptance(seq, drafted, accepted, accepted + 1, version)
+            if kind == "verify_loop":
+                self.record_verify_steps(int(num_steps))
+        elif kind != "decode_loop":
+            self.record_unsure(seqs)
+        self.record_step(len(seqs), kind != "decode_loop", seconds, num_steps, verified=verified)
 
     def record_step(self, num_seqs: int, drafted: bool, seconds: float, num_steps: float = 1.0,
                     verified: bool = True) -> None:
@@ -254,5 +270,5 @@ def _ema_into(averages: dict[K, float], key: K, value: float) -> None:
 
 def device_draft_slots(seqs: list[Sequence], limits: list[int]) -> list[np.ndarray]:
     """Placeholders for EAGLE-3 drafts (-1, as many as each sequence may take): the head makes them
-    on the device in the verification step's own program (`StepBatch.draft_slots`)."""
+    on the device in the verification step's own program (`DraftInputs.draft_slots`)."""
     return [np.full(max(lim, 0), -1, np.int32) for lim in limits]

@@ -27,6 +27,8 @@ from tokenizers import Tokenizer as BackendTokenizer
 
 from rollout.chat_template import compile_template
 from rollout.gguf_tokenizer import gguf_backend, read_gguf_tokenizer_fields
+from runner.models.default_model import default_model_path
+from runner.models.gguf_file import is_gguf
 
 __all__ = ["Tokenizer", "load_tokenizer"]
 
@@ -138,23 +140,14 @@ class Tokenizer:
 
 def load_tokenizer(path: str | None = None) -> Tokenizer:
     """Load the tokenizer of a HF model directory, a `.gguf` file, or (None) the embedded default model."""
-    if path is None:
-        from runner.models.default_model import default_model_path
-
-        path = default_model_path()
-    path = os.fspath(path)
+    path = os.fspath(default_model_path() if path is None else path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"tokenizer path {path!r} does not exist")
     if os.path.isdir(path):
         return _load_hf_dir(path)
-    if _is_gguf(path):
+    if is_gguf(path):
         return _load_gguf(path)
     raise ValueError(f"tokenizer path {path!r} is neither a Hugging Face model directory nor a .gguf file")
-
-
-def _is_gguf(path: str) -> bool:
-    with open(path, "rb") as f:
-        return f.read(4) == b"GGUF"
 
 
 def _token_text(value: Any) -> str | None:

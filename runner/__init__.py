@@ -1,14 +1,6 @@
-"""Device side of jax-rollout: models, checkpoint loading, paged KV cache, attention, sampling.
+"""Device side of jax-rollout: models, checkpoint loading, paged KV cache, attention, the step programs,
+sampling, speculative drafting, sharding and kernel backends (docs/architecture.md).
 
-`runner.load_model(path | None, dtype=...)` -> (Flax NNX model, ModelConfig); None = the embedded
-SmolLM2-135M-Instruct.
+`runner.models.loader.load_model(path | None, dtype=...)` -> (Flax NNX model, ModelConfig); None = the
+embedded SmolLM2-135M-Instruct.
 """
-
-from __future__ import annotations
-
-
-def __getattr__(name: str) -> object:
-    if name == "load_model":
-        from runner.models.loader import load_model
-        return load_model
-    raise AttributeError(f"module 'runner' has no attribute {name!r}")

@@ -15,7 +15,7 @@ from runner.buckets import BucketConfig
 from runner.kv_cache import KVCacheSpec
 from runner.model_runner import ModelRunner
 from runner.models.family import CausalLM
-from runner.models.head_layout import with_head_layout
+from runner.models.registry import with_head_layout
 from runner.spec_decode.eagle3_checkpoint import load_eagle3_head
 from runner.spec_decode.eagle3_config import Eagle3Config
 
@@ -35,6 +35,7 @@ class RunnerOptions:
     cpu_row_kernel: bool = True
     cpu_amx: bool = True
     cpu_amx_from_rows: int = 41
+    cpu_bf16_matmul: bool = True
     batch_invariant: bool = False
     max_logprobs: int = 20
     max_kept_ids: int = 16
@@ -74,7 +75,8 @@ def build_runner(model: CausalLM, mesh: Mesh, options: RunnerOptions, *, abstrac
     backend = select_backend(options.backend, mesh, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
                              cache_dtype=kv_spec.dtype, attention_backend=options.attention_backend,
                              cpu_row_kernel=options.cpu_row_kernel, cpu_amx=options.cpu_amx,
-                             cpu_amx_from_rows=options.cpu_amx_from_rows, batch_invariant=options.batch_invariant)
+                             cpu_amx_from_rows=options.cpu_amx_from_rows, cpu_bf16_matmul=options.cpu_bf16_matmul,
+                             batch_invariant=options.batch_invariant)
     min_seqs, min_tokens = backend.min_buckets  # the smallest padded shapes worth compiling (TPU: its tile)
     buckets = BucketConfig(options.max_num_seqs, options.max_num_batched_tokens, -(-options.max_model_len // options.block_size),
                            min_seqs=min_seqs, min_tokens=min(min_tokens, options.max_num_batched_tokens),

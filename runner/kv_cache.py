@@ -1,8 +1,6 @@
-"""The paged KV cache: one `[replicas, 2, kv_heads, pages, page_size, head_dim]` array per layer.
-
-Index 0 of the second axis is K, 1 is V. Each data-parallel replica owns one slice of the leading
-axis (its own blocks, on its own devices); a replica's K (or V) slice has the
-`[kv_heads, pages, page_size, head_dim]` layout of JAX's Pallas paged-attention kernels.
+"""The paged KV cache: its size (`KVCacheSpec`: layers, blocks, heads, dtype, data-parallel replicas) and
+its allocation, one array per layer. Each replica owns one slice of the leading axis (its own blocks,
+on its own devices); how a layer's array is laid out is its attention kernel's `runner.kv_layout`.
 """
 
 from __future__ import annotations
@@ -13,9 +11,11 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array
 
 from runner.models.config import ModelConfig
-from runner.models.family import KVCaches
+
+KVCaches = tuple[Array, ...]  # one paged cache per layer, in its attention kernel's layout (`runner.kv_layout`)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,10 +1,10 @@
-"""The device step's host side: padded inputs -> one jitted call (`runner.step_program`) -> ids.
+"""The device step's host side: a `StepPlan` -> padded inputs -> one compiled program -> sampled ids.
 
-The runner never sees a request object: `StepBatch` is a handful of numpy arrays describing one
-step. It pads them to a bucket (`runner.buckets`), hands them to the compiled program for that bucket
-(straight from numpy on one device, one `device_put` onto the mesh otherwise; the KV caches are
-donated and updated in place) and brings back only the sampled ids and logprobs. A multi-step
-decode batch (`StepBatch.num_steps`) goes to the program that runs several decode steps per call.
+The runner never sees a request object: a `StepPlan` is a handful of numpy arrays describing one step.
+`launch` pads it to the bucket shape of its kind and hands it to that kind's launcher (the one table,
+`runner.plan_programs.PROGRAMS`), straight from numpy on one device, one `device_put` onto the mesh
+otherwise; the KV caches are donated and updated in place. `collect` brings back only the sampled ids
+and the logprobs asked for.
 """
 
 from __future__ import annotations
@@ -21,19 +21,18 @@ from tqdm import tqdm
 
 from runner.backends.base import Backend
 from runner.buckets import BucketConfig
+from runner.executable_store import CompiledProgram, StoredProgram, abstract_put, open_store
 from runner.kv_cache import KVCacheSpec, allocate_kv_caches
 from runner.models.family import CausalLM, KVCaches
 from runner.models.registry import get_family
-from runner.sampler import SamplerOutput
+from runner.plan_programs import PROGRAMS, Launch, Leaves, Programs
 from runner.sharding import kv_cache_sharding, make_mesh, shard_params
 from runner.spec_decode.eagle3 import Eagle3Head
 from runner.spec_decode.eagle3_drafter import Eagle3Drafter
-from runner.spec_decode.eagle3_launch import launch_draft_verify, launch_draft_verify_steps
-from runner.step_inputs import (  # noqa: F401  (StepBatch, MAX_SUPPRESS: re-exported for the engine)
-    MAX_SUPPRESS, DeviceBatch, StepBatch, pad_replicas)
-from runner.executable_store import CompiledProgram, StoredProgram, abstract_put, open_store
+from runner.step_padding import pad_plan
+from runner.step_plan import StepPlan
 from runner.step_program import compiled_chunk, compiled_step
-from runner.step_result import PendingStep, StepResult, sampled_rows  # noqa: F401  (re-exported)
+from runner.step_result import PendingStep, StepResult
 from runner.warmup_steps import DummySteps, WarmupProgram
 
 
@@ -78,22 +77,22 @@ class ModelRunner:
         model = self.backend.prepare(model)  # its kernels; packed weights live in `rest`, refreshed on sync
         draft_head = None if draft_head is None else self.backend.prepare(draft_head, pack=False)
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        self.attention_impl = self.backend.attention_impl
-        self._md_fields = self.backend.metadata_fields()  # the static attention fields of every step
+        # the attention callable every step carries (`AttentionMetadata.kernel`), with its KV layout
+        self.attention = self.backend.attention_for(model.config.num_attention_heads, kv_spec.num_kv_heads,
+                                                    kv_spec.head_dim, kv_spec.dtype)
         if kv_spec.num_replicas != self.mesh.shape["data"]:
             raise ValueError(f"the KV cache has {kv_spec.num_replicas} replica(s) but the mesh's data axis is "
                              f"{self.mesh.shape['data']}")
         self.graphdef = graphdef
         defs = (jax.tree.structure(params), jax.tree.structure(rest))
-        kv_shape = self.backend.kv_cache_shape(kv_spec.shape, self.backend.kv_cache_dtype(kv_spec.dtype),
-                                               model.config.num_attention_heads)
+        kv_shape = self.attention.layout.cache_shape(kv_spec)
         kv_sharding = kv_cache_sharding(kv_shape, self.mesh)
         pinned = kv_sharding if self.mesh.size > 1 else None
         store = open_store(executable_dir) if executable_dir is not None else None
         devices = tuple(self.mesh.devices.flat)
         # looked up once: hashing a GraphDef per step costs ~10 ms
-        self._step_fn = StoredProgram(compiled_step(graphdef, *defs, pinned), "step", 3, devices, store, abstract)
-        self._chunk_fn = StoredProgram(compiled_chunk(graphdef, *defs, pinned), "chunk", 3, devices, store, abstract)
+        step_fn = StoredProgram(compiled_step(graphdef, *defs, pinned), "step", 3, devices, store, abstract)
+        loop_fn = StoredProgram(compiled_chunk(graphdef, *defs, pinned), "chunk", 3, devices, store, abstract)
         self._graph = f"{graphdef!r}|{defs}|{pinned}"
         # The runner owns its copy (a trainer may update or donate its arrays at any time), laid out
         # by the sharding rules. `device_put(may_alias=False)` copies in the runtime: `x.copy()` compiled
@@ -105,13 +104,11 @@ class ModelRunner:
         self._scalar_sharding = NamedSharding(self.mesh, PartitionSpec())
         self.rest = jax.tree.map(lambda x: put(copy(x), self._scalar_sharding), rest)
         self.kv_spec = kv_spec
-        self._kv_layout = (kv_shape, self.backend.kv_cache_dtype(kv_spec.dtype), kv_spec.num_layers, kv_sharding)
+        self._kv_layout = (kv_shape, self.attention.layout.storage_dtype(kv_spec.dtype), kv_spec.num_layers, kv_sharding)
         self.kv_caches: KVCaches | None = (  # None while released
             tuple(jax.ShapeDtypeStruct(kv_shape, self._kv_layout[1], sharding=kv_sharding)
                   for _ in range(kv_spec.num_layers)) if abstract else allocate_kv_caches(*self._kv_layout))
         self._offloaded: tuple[list[np.ndarray], list[np.ndarray]] | None = None  # weights on the host (`release`)
-        # what a multi-step decode call reads its fed tokens from when none are fed (fixed size: every bucket fits)
-        self._no_feed = put(np.zeros(kv_spec.num_replicas * max(buckets.seq_buckets), np.int32), self._scalar_sharding)
         self._input_sharding = (self._scalar_sharding if kv_spec.num_replicas == 1
                                 else NamedSharding(self.mesh, PartitionSpec("data")))
         self.buckets = buckets
@@ -123,9 +120,18 @@ class ModelRunner:
         self._packed_from = tuple(map(id, jax.tree.leaves(self.params)))
         self.drafter = None if draft_head is None else Eagle3Drafter(draft_head, graphdef, defs, kv_spec, self.mesh,
                                                                      pinned, store)
+        # a decode loop reads its fed tokens from here when none are fed (fixed size: every bucket fits)
+        no_feed = put(np.zeros(kv_spec.num_replicas * max(buckets.seq_buckets), np.int32), self._scalar_sharding)
+        self.programs = Programs(step_fn, loop_fn, self.drafter, buckets, no_feed, num_scheduler_steps,
+                                 num_verify_steps, draft_min_confidence, record_routing)
         self._set_program_identity()
-        self.dummy_steps = DummySteps(buckets, kv_spec, num_scheduler_steps, num_verify_steps,
+        self.dummy_steps = DummySteps(buckets, kv_spec, num_verify_steps,
                                       has_drafter=draft_head is not None, max_logprobs=max_logprobs)
+
+    @property
+    def attention_impl(self) -> str:
+        """The attention impl every step runs (`runner.backends.attention_kernels.ATTENTION_IMPLS`)."""
+        return self.attention.name
 
     @property
     def model(self) -> CausalLM:
@@ -133,92 +139,38 @@ class ModelRunner:
         self._refresh_packed(jax.tree.leaves(self.params))
         return nnx.merge(self.graphdef, self.params, self.rest)
 
-    def run(self, batch: StepBatch) -> StepResult:
+    def run(self, plan: StepPlan) -> StepResult:
         """Launch one step and wait for its result (`launch` then `collect`)."""
-        return self.collect(self.launch(batch))
+        return self.collect(self.launch(plan))
 
     def collect(self, pending: PendingStep) -> StepResult:
         """Wait for a launched step; only its sampled ids and requested logprobs come to the host."""
         return pending.finish(jax.device_get(pending.outputs))
 
-    def launch(self, batch: StepBatch, after: PendingStep | None = None) -> PendingStep:
+    def launch(self, plan: StepPlan, after: PendingStep | None = None) -> PendingStep:
         """Pad (per replica) and dispatch one compiled step without waiting for it; the KV caches are
         donated and replaced by the step's outputs at once, so the next step may be launched before
-        this one is collected. `after`: the multi-step decode call whose last tokens `batch.feed_rows`
-        point at (not yet collected)."""
-        spec = self.kv_spec
-        padded, layout = pad_replicas(batch, self.buckets, spec.block_size, spec.num_replicas, spec.blocks_per_replica,
-                                      on_mesh=self.mesh.size > 1)
-        if self._md_fields != {"impl": "jax"}:
-            padded = dataclasses.replace(padded, md=dataclasses.replace(padded.md, **self._md_fields))
+        this one is collected. `after`: the decode loop whose last tokens `plan.loop.feed_rows` point at
+        (not yet collected)."""
+        spec, program = self.kv_spec, PROGRAMS[plan.kind]
+        padded, layout = pad_plan(plan, program.shape, self.buckets, spec.block_size, spec.num_replicas,
+                                  spec.blocks_per_replica, on_mesh=self.mesh.size > 1)
+        padded = dataclasses.replace(padded, md=dataclasses.replace(padded.md, kernel=self.attention))
         if self.mesh.size == 1 and not self.abstract:  # numpy straight into the call(s): cheaper than a device_put
             device_batch = padded
         else:
             shardings = jax.tree.map(lambda x: self._input_sharding if np.ndim(x) else self._scalar_sharding, padded)
             device_batch = (jax.tree.map(abstract_put, padded, shardings) if self.abstract
                             else jax.device_put(padded, shardings))
-        leaves = self._leaves()
         # two program sizes: the engine's usual top logprobs, and the whole vocabulary (`logprobs=-1`) past it
-        k = batch.num_top_logprobs
+        k = plan.sampling.num_top_logprobs
         num_top = 0 if k == 0 else self.max_logprobs if k <= self.max_logprobs else self.config.vocab_size
-        num_kept = self.max_kept_ids if batch.sampling_record else 0
-        multi_step = batch.num_steps is not None
-        if batch.kind == "verify" and batch.draft_slots is not None:  # the EAGLE-3 head drafts in the program
-            launch = launch_draft_verify_steps if multi_step else launch_draft_verify
-            return launch(self, batch, leaves, device_batch, layout.row_index, layout.seq_index, num_top, num_kept)
-        if batch.kind == "decode" and multi_step:
-            if (batch.feed_rows is None) != (after is None or after.last_tokens is None):
-                raise ValueError("feed_rows need the multi-step decode call they read from (`after`), and only then")
-            fed = after.last_tokens if after is not None else self._no_feed
-            return self._launch_chunk(batch, leaves, device_batch, layout.row_index, num_top, fed, num_kept)
-        if multi_step or batch.draft_slots is not None:
-            raise ValueError(f"a {batch.kind} step takes neither num_steps nor draft_slots")
-        # one step of the plain program: prefill, decode, or verification of drafts made on the host
-        self.kv_caches, out, extra, aux = self._step_fn(
-            *leaves, self.kv_caches, device_batch,
-            num_top=num_top, token_logprobs=batch.target_ids is not None,
-            aux_layers=self.drafter.aux_layers if self.drafter is not None else (), num_kept=num_kept,
-            record_routing=self.record_routing)
-        if self.drafter is not None:  # the head's cache follows every target step, on the device
-            self.drafter.fill(leaves, aux, device_batch)
-        k, tokens = batch.num_top_logprobs, layout.token_index
+        num_kept = self.max_kept_ids if plan.sampling.sampling_record else 0
+        self.kv_caches, pending = program.launch(self.programs, self.kv_caches, Launch(
+            plan, device_batch, layout, self._leaves(), num_top, num_kept, after))
+        return pending
 
-        def finish(host: tuple[SamplerOutput, SamplerOutput | None]) -> StepResult:
-            out, extra = host
-            result = sampled_rows(out, layout.row_index, k)
-            if out.routed_experts is not None:
-                result = dataclasses.replace(result, routed_experts=out.routed_experts[tokens][None])
-            if extra is not None:
-                result = dataclasses.replace(
-                    result, token_logprobs=extra.logprobs[tokens], token_top_ids=extra.top_ids[tokens, :k],
-                    token_top_logprobs=extra.top_logprobs[tokens, :k])
-            return result
-
-        return PendingStep((out, extra), finish)
-
-    def _launch_chunk(self, batch: StepBatch, leaves: tuple[list[Array], list[Array]], device_batch: DeviceBatch,
-                      rows: np.ndarray, num_top: int, fed: Array, num_kept: int = 0) -> PendingStep:
-        """A multi-step decode call: `num_scheduler_steps` steps of one row per sequence."""
-        if not batch.is_decode:
-            raise ValueError("multi-step decode takes plain decode batches")
-        steps = self.num_scheduler_steps
-        if int(np.max(batch.num_steps, initial=1)) > steps:
-            raise ValueError(f"a sequence asks for {int(np.max(batch.num_steps))} steps; this runner runs at most {steps}")
-        if self.drafter is not None:  # the head's cache follows every step
-            if batch.feed_rows is not None:
-                raise ValueError("a decode call with a draft head cannot take its tokens from the previous call")
-            self.kv_caches, out = self.drafter.decode_chunk(leaves, self.kv_caches, device_batch, num_top=num_top,
-                                                            max_steps=steps, num_kept=num_kept)
-            last = None
-        else:
-            self.kv_caches, out, last = self._chunk_fn(*leaves, self.kv_caches, device_batch, fed, num_top=num_top,
-                                                       max_steps=steps, num_kept=num_kept,
-                                                       record_routing=self.record_routing)
-        k = batch.num_top_logprobs
-        return PendingStep((out,), lambda host: sampled_rows(host[0], rows, k, slice(None)), rows=rows,
-                           last_tokens=last)
-
-    def _leaves(self) -> tuple[list[Array], list[Array]]:
+    def _leaves(self) -> Leaves:
         """Params and rest as the flat leaf lists the compiled programs take; taken per call (not
         cached), so a `sync_weights` that updates `self.params` in place is seen (and the AMX-packed
         kernels in `rest` are recomputed from the new arrays first)."""
@@ -229,7 +181,7 @@ class ModelRunner:
     def _set_program_identity(self) -> None:
         """Key the stored programs on the current parameters', packed weights' and caches' layouts."""
         fixed = (*self._leaves(), self.kv_caches)
-        for program in (self._step_fn, self._chunk_fn):
+        for program in (self.programs.step, self.programs.loop):
             program.set_identity(self._graph, fixed)
         if self.drafter is not None:
             self.drafter.set_identity(fixed[:2], self.kv_caches)
@@ -237,12 +189,12 @@ class ModelRunner:
     @property
     def compiled_programs(self) -> list[CompiledProgram]:
         """The programs an abstract runner compiled (`warmup`), in order."""
-        return [*self._step_fn.compiled_programs, *self._chunk_fn.compiled_programs]
+        return [*self.programs.step.compiled_programs, *self.programs.loop.compiled_programs]
 
     @property
     def num_loaded_programs(self) -> int:
         """Step programs this runner loaded (from the executable store or another runner), not compiled."""
-        return (self._step_fn.num_loaded + self._chunk_fn.num_loaded
+        return (self.programs.step.num_loaded + self.programs.loop.num_loaded
                 + (self.drafter.num_loaded if self.drafter is not None else 0))
 
     def release(self, *, offload_weights: bool = False) -> None:

@@ -14,16 +14,11 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from runner.kv_layout import KVLayout
+
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def cache_geometry(shape: tuple[int, ...]) -> tuple[int, int, int]:
-    """(num_kv_heads, num_pages, page_size) of one layer's cache (no replica axis) in either layout: the
-    engine's `[2, Hkv, P, page, D]` or the TPU ragged kernel's `[P, page, 2 * Hkv, D]` (K and V of head
-    h at 2h and 2h + 1)."""
-    if len(shape) == 4:
-        return shape[2] // 2, shape[0], shape[1]
-    return shape[1], shape[2], shape[3]
 MULTIPLY_REDUCE_MAX_ROWS = 24  # query rows per (sequence, KV head) up to which scores skip the dot
 
 
@@ -42,8 +37,10 @@ def ragged_paged_attention(
     trim_rows: bool = False,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    layout: KVLayout = KVLayout(),
 ) -> Float[Array, "T Hq D"]:
-    """Causal attention of packed queries over each sequence's paged context (pure JAX reference).
+    """Causal attention of packed queries over each sequence's paged context (pure JAX reference), over a
+    cache in `layout` (`runner.kv_layout`).
 
     `sliding_window`: a query at position p attends keys at positions > p - window only, and the walk
     starts at the first chunk any row's window reaches. `soft_cap`: scores (after `sm_scale`) become
@@ -69,7 +66,7 @@ def ragged_paged_attention(
     """
     num_tokens, num_q_heads, head_dim = queries.shape
     num_rows, pages_per_seq = page_indices.shape
-    num_kv_heads = cache_geometry(kv_pages.shape)[0]
+    num_kv_heads = layout.geometry(kv_pages.shape)[0]
     group = num_q_heads // num_kv_heads
     rows = group * max_q_len  # query rows per (sequence, KV head): row = g * max_q_len + i
 
@@ -83,8 +80,8 @@ def ragged_paged_attention(
     common = _CommonPages(page_indices[0], num_common_pages[0]) if num_common_pages is not None else None
     if common is not None and sliding_window is not None:
         raise ValueError("the cascade (num_common_pages) cannot be combined with a sliding window")
-    attend = functools.partial(_attend_rows, kv_pages=kv_pages, common=common, pages_per_chunk=pages_per_chunk,
-                               sliding_window=sliding_window, soft_cap=soft_cap)
+    attend = functools.partial(_attend_rows, kv_pages=kv_pages, layout=layout, common=common,
+                               pages_per_chunk=pages_per_chunk, sliding_window=sliding_window, soft_cap=soft_cap)
 
     if rows > MULTIPLY_REDUCE_MAX_ROWS and num_rows > PIECES_PER_GROUP:  # prefill pieces (not decode / verification)
         size = PIECES_PER_GROUP
@@ -143,6 +140,7 @@ def _attend_rows(
     q_pos: Int[Array, "S R"],
     *,
     kv_pages: Float[Array, "2 Hkv P page D"],
+    layout: KVLayout,
     common: _CommonPages | None,
     pages_per_chunk: int,
     sliding_window: int | None = None,
@@ -153,7 +151,7 @@ def _attend_rows(
     window, starts at the first chunk the earliest row's window reaches)."""
     num_kv_heads, num_rows, rows, head_dim = q.shape
     pages_per_seq = page_indices.shape[1]
-    page_size = cache_geometry(kv_pages.shape)[2]
+    page_size = layout.geometry(kv_pages.shape)[2]
     chunk = min(pages_per_chunk, pages_per_seq)
     num_chunks = -(-pages_per_seq // chunk)
     page_indices = jnp.pad(page_indices, ((0, 0), (0, num_chunks * chunk - pages_per_seq)))
@@ -162,7 +160,7 @@ def _attend_rows(
     # The head axis stays a batch axis (not flattened into the page rows): a reshape across it would
     # make GSPMD all-gather a KV-head-sharded cache.
     def gather(idx: Array) -> tuple[Array, Array]:  # [S, chunk] -> [Hkv, S, chunk_tokens, D] each
-        k, v = _take_pages(kv_pages, idx.reshape(-1))
+        k, v = layout.take_pages(kv_pages, idx.reshape(-1))
         shape = (num_kv_heads, num_rows, chunk_tokens, head_dim)
         return k.reshape(shape), v.reshape(shape)
 
@@ -194,7 +192,8 @@ def _attend_rows(
             jnp.zeros((*stats_shape, head_dim), jnp.float32))
     if common is not None:
         common_chunks = jnp.minimum(common.num_pages // chunk, num_chunks)  # whole chunks only
-        m, l, acc = _common_prefix_attention(q, kv_pages, common.table, common_chunks * chunk, kv_lens > 0, soft_cap)
+        m, l, acc = _common_prefix_attention(q, kv_pages, layout, common.table, common_chunks * chunk, kv_lens > 0,
+                                             soft_cap)
         init = (common_chunks, m, l, acc)
     elif sliding_window is not None:  # no row attends a key before its first query's window
         first_key = jnp.min(jnp.where(kv_lens > 0, q_pos[:, 0] - sliding_window + 1, jnp.iinfo(jnp.int32).max))
@@ -206,53 +205,6 @@ def _attend_rows(
 
 
 COMMON_PAGES_PER_CHUNK = 8
-
-
-def _take_pages(kv_pages: Float[Array, "2 Hkv P page D"], idx: Int[Array, "N"]
-                ) -> tuple[Float[Array, "Hkv N pageD"], Float[Array, "Hkv N pageD"]]:
-    """K and V of pages `idx` for every KV head, one contiguous row of `page * D` each.
-
-    K (`kv_pages[0]`) and V are viewed as rows `[Hkv, P, page * D]` (no data moves) and gathered
-    with the head axis as an explicit batching dimension of the gather, so each output row is one
-    contiguous copy and a KV-head-sharded cache stays sharded. Two layouts measured slower:
-    vmapping a take over axis 1 of the whole cache fused a transpose of the whole cache into the
-    gather (elementwise index math), and vmapping a take over the heads of `kv_pages[0]` became
-    one gather of all heads per page (strided reads) followed by a transposing copy.
-
-    A cache in the TPU kernel's layout (`[P, page, 2 * Hkv, D]`) is gathered by page and split into
-    K and V per head (the reference path of that layout: a transposing copy per chunk).
-    """
-    if kv_pages.ndim == 4:
-        pages = _as_values(jnp.take(kv_pages, idx, axis=0, mode="clip"))  # [N, page, 2 * Hkv, D]
-        n, page_size, combined, head_dim = pages.shape
-        pages = pages.reshape(n, page_size, combined // 2, 2, head_dim).transpose(3, 2, 0, 1, 4)
-        pages = pages.reshape(2, combined // 2, n, page_size * head_dim)
-        return pages[0], pages[1]
-    two, num_kv_heads, total_pages, page_size, head_dim = kv_pages.shape
-    rows = kv_pages.reshape(two, num_kv_heads, total_pages, page_size * head_dim)
-    index = jnp.broadcast_to(idx[None, :, None], (num_kv_heads, idx.shape[0], 1)).astype(jnp.int32)
-    dims = jax.lax.GatherDimensionNumbers(offset_dims=(2,), collapsed_slice_dims=(1,), start_index_map=(1,),
-                                          operand_batching_dims=(0,), start_indices_batching_dims=(0,))
-
-    def take(head_rows: Array) -> Array:  # [Hkv, P, page * D] -> [Hkv, N, page * D]
-        return jax.lax.gather(head_rows, index, dims, slice_sizes=(1, 1, page_size * head_dim),
-                              mode=jax.lax.GatherScatterMode.CLIP)
-
-    return _as_values(take(rows[0])), _as_values(take(rows[1]))
-
-
-def cache_values(x: Array, cache_dtype: jnp.dtype) -> Array:
-    """`x` as stored in a cache of `cache_dtype`: a uint16 cache holds bfloat16 bits (the CPU backend's
-    bfloat16 cache: XLA:CPU scatters bfloat16 by converting the whole cache to float32 and back, in every
-    layer of every step; uint16 it scatters in place)."""
-    if cache_dtype == jnp.uint16:
-        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
-    return x.astype(cache_dtype)
-
-
-def _as_values(x: Array) -> Array:
-    """Gathered cache entries as values (the inverse of `cache_values`)."""
-    return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == jnp.uint16 else x
 
 
 def soft_capped(scores: Array, soft_cap: float | None) -> Array:
@@ -273,6 +225,7 @@ def _online_softmax_step(m: Array, l: Array, s: Array, mask: Array) -> tuple[Arr
 def _common_prefix_attention(
     q: Float[Array, "Hkv S R D"],
     kv_pages: Float[Array, "2 Hkv P page D"],
+    layout: KVLayout,
     pages: Int[Array, "W"],
     num_pages: Int[Array, ""],
     live_rows: Array,  # [S] bool: rows with a context (padding rows attend to nothing)
@@ -284,7 +237,7 @@ def _common_prefix_attention(
     attends to them in one matmul per KV head; no causal mask is needed since they precede every query.
     """
     num_kv_heads, num_rows, rows, head_dim = q.shape
-    page_size = cache_geometry(kv_pages.shape)[2]
+    page_size = layout.geometry(kv_pages.shape)[2]
     chunk = min(COMMON_PAGES_PER_CHUNK, pages.shape[0])
     pages = jnp.pad(pages, (0, -pages.shape[0] % chunk))
     chunk_tokens = chunk * page_size
@@ -294,7 +247,7 @@ def _common_prefix_attention(
     def body(carry: tuple[Array, Array, Array, Array]) -> tuple[Array, Array, Array, Array]:
         c, m, l, acc = carry
         idx = jax.lax.dynamic_slice_in_dim(pages, c * chunk, chunk)
-        k, v = _take_pages(kv_pages, idx)
+        k, v = layout.take_pages(kv_pages, idx)
         k = k.reshape(num_kv_heads, chunk_tokens, head_dim)  # [Hkv, chunk_tokens, D] each
         v = v.reshape(num_kv_heads, chunk_tokens, head_dim)
         s = soft_capped(jnp.einsum("hnd,hkd->hnk", flat_q, k, preferred_element_type=jnp.float32), soft_cap)

@@ -2,8 +2,8 @@
 
 This file owns turning a batch of S logits rows into sampled tokens: per-row temperature, top-k,
 top-p, min-p, suppressed ids, per-row randomness, and the logprobs returned to the caller (the
-sampled token's and the top-K alternatives). `choose_mode` is the host-side (numpy) choice of the
-static `mode` that `sample` is compiled for. The blocked reductions and the noise live in
+sampled token's and the top-K alternatives), for the static `mode` the host chose
+(`runner.sampling_rows.choose_mode`). The blocked reductions and the noise live in
 `runner.sampler_blocks`, the kept set of top-k / top-p / min-p in `runner.sampler_filters`.
 
 Order of operations (as vLLM): the logits processors (`runner.logits_processors`: allowed ids, bad
@@ -44,11 +44,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
@@ -57,16 +55,8 @@ from runner.logits_processors import apply_processors
 from runner.sampler_blocks import (Suppressed, argmax_blocks, argmax_last, block_view, draw, race_from_blocks, row_bits,
                                    row_keys, suppress)
 from runner.sampler_filters import NUM_CANDIDATES, filter_mask, filtered_draw, processed_for_logprobs
-from runner.step_inputs import SAMPLER_MODES, SamplingInputs
-
-
-Mode = Literal["greedy", "random", "filtered"]
-
-
-MODES: tuple[str, ...] = SAMPLER_MODES  # the order `DeviceBatch.mode` indexes
-
-
-GREEDY_EPS = 1e-5  # temperature below this is greedy (vLLM's _SAMPLING_EPS)
+from runner.sampling_rows import GREEDY_EPS, SAMPLER_MODES, Mode
+from runner.step_padding import SamplingInputs
 
 
 @jax.tree_util.register_dataclass
@@ -104,35 +94,6 @@ def kept_record(raw: Float[Array, "S V"], base: Float[Array, "S V"], inputs: Sam
     _, ids = lax.top_k(scaled, num_kept)
     ids = jnp.where(jnp.arange(num_kept)[None, :] < counts[:, None], ids, -1).astype(jnp.int32)
     return log_mass, counts, ids
-
-
-def choose_mode(
-    temperature: np.ndarray,
-    top_k: np.ndarray,
-    top_p: np.ndarray,
-    min_p: np.ndarray,
-    *,
-    processed: np.ndarray | None = None,
-    vocab_size: int | None = None,
-) -> Mode:
-    """Cheapest static mode that is exact for these rows (host side, numpy).
-
-    Filters matter for a row if it samples (temperature > 0) or wants processed logprobs
-    (`processed`; None = assume every row does). "greedy" and "random" ignore filters.
-    """
-    temperature = np.asarray(temperature, np.float32)
-    top_k = np.asarray(top_k)
-    sampling = temperature >= GREEDY_EPS
-    relevant = np.ones_like(sampling) if processed is None else sampling | np.asarray(processed, bool)
-    k_on = top_k > 0
-    if vocab_size is not None:
-        k_on &= top_k < vocab_size
-    filt = k_on | (np.asarray(top_p) < 1.0) | (np.asarray(min_p) > 0.0)
-    if np.any(filt & relevant):
-        return "filtered"
-    if np.any(sampling):
-        return "random"
-    return "greedy"
 
 
 def _sample_random(
@@ -209,8 +170,8 @@ def sample(
     `num_kept` (static) > 0: also the sampling record (`kept_record`) of every row.
     `inputs.adjust`: the rows' logits processors (`runner.logits_processors`), applied before all of it.
     """
-    if mode not in MODES:
-        raise ValueError(f"unknown sampling mode {mode!r}; expected one of {MODES}")
+    if mode not in SAMPLER_MODES:
+        raise ValueError(f"unknown sampling mode {mode!r}; expected one of {SAMPLER_MODES}")
     raw = logits.astype(jnp.float32)
     base = raw if inputs.adjust is None else apply_processors(raw, inputs.adjust)
     out = _sample(raw, base, inputs, mode=mode, num_top_logprobs=num_top_logprobs, num_candidates=num_candidates)

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, UInt32
 
-from runner.step_inputs import SamplingInputs
+from runner.step_padding import SamplingInputs
 
 
 BLOCK = 128  # sampling and argmax scan per-block sums / maxima, then one block

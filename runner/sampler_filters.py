@@ -29,7 +29,7 @@ from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
 from runner.sampler_blocks import BLOCK, argmax_blocks, block_token_ids, block_view, draw, gumbel, row_bits
-from runner.step_inputs import SamplingInputs
+from runner.step_padding import SamplingInputs
 
 
 NUM_CANDIDATES = 512  # "filtered" tries the top-512 logits before sorting whole rows

@@ -20,15 +20,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int
 
 from runner import row_sum
-from runner.attention import AttentionMetadata, cache_geometry, paged_slots
+from runner.attention import AttentionMetadata, paged_slots
 from runner.models.family import CausalLM, KVCaches
 from runner.logits_processors import LogitsAdjust, append_outputs
 from runner.sampler import SamplerOutput, sample
-from runner.step_inputs import SAMPLER_MODES, DeviceBatch
+from runner.sampling_rows import SAMPLER_MODES
+from runner.step_padding import DeviceBatch
 
 LoopState = TypeVar("LoopState")
-# attention impls that run one device's replica at a time on a mesh (a custom call XLA cannot partition)
-PER_DEVICE_IMPLS = ("cpu_kernel", "tpu_ragged", "tpu_ragged_interpret")  # what `decode_loop` carries for its `after_step` hook
 
 
 @jax.tree_util.register_dataclass
@@ -41,8 +40,9 @@ class TokenLogprobs:
     top_logprobs: Float[Array, "T K"]
 
 
-def _merge(graphdef: nnx.GraphDef, params_def: jax.tree_util.PyTreeDef, rest_def: jax.tree_util.PyTreeDef,
-           param_leaves: list[Array], rest_leaves: list[Array]) -> CausalLM:
+def merge_leaves(graphdef: nnx.GraphDef, params_def: jax.tree_util.PyTreeDef, rest_def: jax.tree_util.PyTreeDef,
+                 param_leaves: list[Array], rest_leaves: list[Array]) -> nnx.Module:
+    """The module of `graphdef` over flat parameter and state leaves (how every compiled program takes a model)."""
     return nnx.merge(graphdef, jax.tree.unflatten(params_def, param_leaves), jax.tree.unflatten(rest_def, rest_leaves))
 
 
@@ -51,7 +51,7 @@ def _step(graphdef: nnx.GraphDef, params_def: jax.tree_util.PyTreeDef, rest_def:
           batch: DeviceBatch, *, num_top: int, token_logprobs: bool, aux_layers: tuple[int, ...] = (),
           num_kept: int = 0, record_routing: bool = False
           ) -> tuple[KVCaches, SamplerOutput, TokenLogprobs | None, Float[Array, "R T A"]]:
-    model = _merge(graphdef, params_def, rest_def, param_leaves, rest_leaves)
+    model = merge_leaves(graphdef, params_def, rest_def, param_leaves, rest_leaves)
     return forward_and_sample(model, kv_caches, batch, num_top=num_top, token_logprobs=token_logprobs,
                               aux_layers=aux_layers, kv_sharding=kv_sharding, num_kept=num_kept,
                               record_routing=record_routing)
@@ -70,7 +70,7 @@ def forward_and_sample(model: CausalLM, kv_caches: KVCaches, batch: DeviceBatch,
     propagation, a head-sharded cache came back replicated (every device then held all of it and
     all-gathered the new K/V in every layer).
 
-    Kernels without a partitioning rule (`PER_DEVICE_IMPLS`: the CPU backend's C++ attention in
+    Kernels without a partitioning rule (`AttentionKernel.per_device`: the CPU backend's C++ attention in
     batch-invariant mode, the Pallas TPU ragged kernel) on a data-parallel mesh: each replica's forward
     and logits run on its own device under `shard_map`, so the kernel sees that device's rows and cache only.
     """
@@ -89,7 +89,7 @@ def forward_and_sample(model: CausalLM, kv_caches: KVCaches, batch: DeviceBatch,
     # One replica on one device: no vmap, the plain program (vmap over 1 costs ~15% there). On a
     # mesh, vmap even over one replica: squeezing the replica axis of a cache whose head axis is 1
     # per device made XLA:CPU copy every layer's cache twice per step (TP=4 at half the speed).
-    if kv_sharding is not None and batch.md.impl in PER_DEVICE_IMPLS:
+    if kv_sharding is not None and batch.md.kernel.per_device:
         hidden, rows_logits, kv_caches, aux, routed = _per_device_replicas(model, replica_forward, args, kv_sharding)
         logits = flat(rows_logits)
     elif kv_caches[0].shape[0] == 1 and kv_sharding is None:
@@ -150,8 +150,8 @@ def decode_loop(model: CausalLM, kv_caches: KVCaches, batch: DeviceBatch, state:
     keys depend on (seed, sample, position) only, so the tokens are those of as many single steps.
     `after_step` carries `state` through the loop (inactive rows' slots are out of range: dropped).
     """
-    chunk, md, sampling = batch.chunk, batch.md, batch.sampling
-    _, num_pages, page_size = cache_geometry(kv_caches[0].shape[1:])
+    chunk, md, sampling = batch.loop, batch.md, batch.sampling
+    _, num_pages, page_size = md.kernel.layout.geometry(kv_caches[0].shape[1:])
     num_slots = num_pages * page_size
     last = jnp.maximum(chunk.num_steps - 1, 0)  # [R, N] a row's last step
 
@@ -165,7 +165,7 @@ def decode_loop(model: CausalLM, kv_caches: KVCaches, batch: DeviceBatch, state:
             batch, token_ids=token_ids, positions=positions,
             md=dataclasses.replace(md, slot_mapping=slots, kv_lens=jnp.where(chunk.num_steps > 0, positions + 1, 0)),
             sampling=dataclasses.replace(sampling, positions=positions + 1, suppress_ids=suppress, adjust=adjust),
-            chunk=None)
+            loop=None)
         kv, out, _, aux = forward_and_sample(model, kv, step, num_top=num_top, token_logprobs=False,
                                              aux_layers=aux_layers, kv_sharding=kv_sharding, num_kept=num_kept,
                                              record_routing=record_routing)
@@ -212,8 +212,8 @@ def _decode_chunk(graphdef: nnx.GraphDef, params_def: jax.tree_util.PyTreeDef, r
     Rows with `chunk.feed_rows >= 0` take their input token from `prev_last` (the previous call's last
     tokens, still on the device: a call launched before its predecessor's tokens reached the host).
     Returns the caches, every step's sampled rows, and each row's token of its last step, padded to M."""
-    model = _merge(graphdef, params_def, rest_def, param_leaves, rest_leaves)
-    chunk = batch.chunk
+    model = merge_leaves(graphdef, params_def, rest_def, param_leaves, rest_leaves)
+    chunk = batch.loop
     fed = jnp.where(chunk.feed_rows >= 0, prev_last[jnp.maximum(chunk.feed_rows, 0)], batch.token_ids)
     batch = dataclasses.replace(batch, token_ids=fed.astype(batch.token_ids.dtype))
     kv_caches, outs, _ = decode_loop(model, kv_caches, batch, (), num_top=num_top, max_steps=max_steps,

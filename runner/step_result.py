@@ -26,9 +26,9 @@ class StepResult:
     token_logprobs: Float[np.ndarray, "T"] | None = None  # raw logprob of target_ids[t] after token t
     token_top_ids: Int[np.ndarray, "T K"] | None = None
     token_top_logprobs: Float[np.ndarray, "T K"] | None = None
-    draft_ids: Int[np.ndarray, "steps S k"] | None = None  # drafts made on the device (`StepBatch.draft_slots`)
+    draft_ids: Int[np.ndarray, "steps S k"] | None = None  # drafts made on the device (`DraftInputs.draft_slots`)
     verified: bool = True  # False: the head was unsure and the step decoded plainly (drafts all -1)
-    # the sampling record (`StepBatch.sampling_record`; see `runner.sampler.SamplerOutput`)
+    # the sampling record (`SamplingPlan.sampling_record`; see `runner.sampler.SamplerOutput`)
     kept_logmass: Float[np.ndarray, "steps rows"] | None = None
     kept_counts: Int[np.ndarray, "steps rows"] | None = None
     kept_ids: Int[np.ndarray, "steps rows M"] | None = None
@@ -48,7 +48,7 @@ class PendingStep:
 
     outputs: tuple[SamplerOutput | Array | None, ...]
     finish: Callable[[tuple[SamplerOutput | np.ndarray | None, ...]], StepResult]
-    rows: np.ndarray | None = None  # multi-step decode: each sequence's flat row in the outputs (`StepBatch.feed_rows`)
+    rows: np.ndarray | None = None  # multi-step decode: each sequence's flat row in the outputs (`LoopInputs.feed_rows`)
     last_tokens: Array | None = None  # multi-step decode: each flat row's last sampled token, on the device
 
 

@@ -28,8 +28,7 @@ from runner.build import RunnerOptions, build_runner
 from runner.executable_store import CompiledProgram
 from runner.model_runner import ModelRunner
 from runner.models.config import ModelConfig
-from runner.models.head_layout import with_head_layout
-from runner.models.registry import build_model
+from runner.models.registry import build_model, with_head_layout
 from runner.tpu_attention import TpuKernelShape
 
 

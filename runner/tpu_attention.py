@@ -25,12 +25,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import ClassVar
 from types import ModuleType
 
 import jax.numpy as jnp
 from jax.experimental import pallas
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa_kernel
 from jaxtyping import Array, Float, Int
+
+from runner.attention import AttentionKernel, AttentionMetadata
+from runner.kv_layout import FusedKVLayout
 
 LANES = 128  # the TPU vector's lane count: head_dim and the softmax statistics come in these
 
@@ -122,14 +126,6 @@ class TpuKernelShape:
         return f"zero-padded for the kernel: {', '.join(padded)} (KV cache x{self.memory_factor:.2f})"
 
 
-def pad_kv_rows(kv: Float[Array, "T Hkv D"], num_kv_heads: int, head_dim: int) -> Float[Array, "T Hkv2 D2"]:
-    """New K or V rows zero-padded to the cache's head count and head_dim (no-op when they match)."""
-    extra_heads, extra_dim = num_kv_heads - kv.shape[1], head_dim - kv.shape[2]
-    if extra_heads == 0 and extra_dim == 0:
-        return kv
-    return jnp.pad(kv, ((0, 0), (0, extra_heads), (0, extra_dim)))
-
-
 class _Interpreted:
     """`jax.experimental.pallas` with `pallas_call(..., interpret=True)`: put in the kernel module's
     namespace while its function is traced."""
@@ -194,3 +190,38 @@ def tpu_ragged_attention(
     out = call(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     return out[:, :num_q_heads, :head_dim].astype(queries.dtype)
 
+
+@dataclasses.dataclass(frozen=True)
+class TpuRaggedAttention(AttentionKernel):
+    """Every step (prefill, chunked prefill, decode, verification; windows and soft caps included) through
+    the Pallas kernel over its fused, possibly zero-padded cache (`layout`, `shape`), tiled by `blocks`;
+    `interpret`: in Pallas's generic interpreter (off a TPU)."""
+
+    layout: FusedKVLayout = FusedKVLayout()
+    shape: TpuKernelShape = TpuKernelShape(1, 1, 128, 1, 1, 128)
+    blocks: BlockSizes = INTERPRET_BLOCKS
+    interpret: bool = False
+    per_device: ClassVar[bool] = True
+
+    @classmethod
+    def for_model(cls, num_q_heads: int, num_kv_heads: int, head_dim: int, cache_dtype: str, blocks: BlockSizes,
+                  *, interpret: bool) -> "TpuRaggedAttention":
+        shape = TpuKernelShape.for_model(num_q_heads, num_kv_heads, head_dim, cache_dtype)
+        layout = FusedKVLayout(num_kv_heads=num_kv_heads, head_dim=head_dim, padded_kv_heads=shape.padded_kv_heads,
+                               padded_head_dim=shape.padded_head_dim)
+        return cls(layout, shape, blocks, interpret)
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return "tpu_ragged_interpret" if self.interpret else "tpu_ragged"
+
+    def __call__(self, queries: Float[Array, "T Hq D"], kv_pages: Array, md: AttentionMetadata, *, sm_scale: float,
+                 sliding_window: int | None = None, soft_cap: float | None = None) -> Float[Array, "T Hq D"]:
+        return tpu_ragged_attention(queries, kv_pages, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
+                                    num_kv_heads=self.shape.num_kv_heads, sm_scale=sm_scale,
+                                    sliding_window=sliding_window, soft_cap=soft_cap, blocks=self.blocks,
+                                    interpret=self.interpret)
+
+    def describe(self) -> str:
+        return (f"{self.name} for every step: {self.shape.describe()}; blocks of {self.blocks.kv_tokens} KV tokens "
+                f"x {self.blocks.queries} queries")

@@ -3,9 +3,6 @@ against float64, row independence, gradients, and that the engine repacks after 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +11,7 @@ import pytest
 from flax import nnx
 
 from rollout.engine import Engine
+from rollout.engine_config import EngineConfig
 from rollout.sampling_params import SamplingParams
 from runner.backends.cpu import amx_matmul as amx
 from runner.backends.cpu.amx_matmul import MIN_ROWS, amx_matmul, load, pack_kernel, shape_fits, split3, unpack_kernel
@@ -154,19 +152,19 @@ def test_model_with_amx_computes_the_same_logits() -> None:
 
 def test_which_rows_go_to_amx(monkeypatch: pytest.MonkeyPatch) -> None:
     """Below MIN_ROWS never; where the row kernel takes the rows, only from FROM_ROWS (it is faster up to
-    40 rows); without it (0) or past its limit (the tied head's 8), from MIN_ROWS."""
+    40 rows); without it (0) or past its limit (the tied head's 8), from MIN_ROWS. The threshold is an
+    `EngineConfig` field, checked there; the environment is not read (`JAX_ROLLOUT_AMX_FROM_ROWS` is gone)."""
     assert not amx.takes(MIN_ROWS - 1, 0) and amx.takes(MIN_ROWS, 0)
     assert amx.takes(MIN_ROWS, 8) and not amx.takes(MIN_ROWS, 64)
-    assert not amx.takes(40, 64, from_rows=41) and amx.takes(41, 64, from_rows=41) and amx.from_rows() == 41
-    monkeypatch.setenv("JAX_ROLLOUT_AMX_FROM_ROWS", "sixteen")
-    with pytest.raises(ValueError, match="JAX_ROLLOUT_AMX_FROM_ROWS='sixteen': expected a row count"):
-        amx.from_rows()
-    # read when used, never at import: a bad value does not break importing the model code
-    code = "import runner.models.llama, runner.backends.cpu.amx_matmul"
-    env = {**os.environ, "JAX_ROLLOUT_AMX_FROM_ROWS": "sixteen"}
-    subprocess.run([sys.executable, "-c", code], check=True, env=env)
-    monkeypatch.setenv("JAX_ROLLOUT_AMX_FROM_ROWS", "9")
-    assert amx.from_rows() == 9
+    assert not amx.takes(40, 64, from_rows=41) and amx.takes(41, 64, from_rows=41)
+    assert EngineConfig().cpu_amx_from_rows == amx.DEFAULT_FROM_ROWS == 41
+    with pytest.raises(ValueError, match="cpu_amx_from_rows must be an integer >= 1, got 'sixteen'"):
+        EngineConfig(cpu_amx_from_rows="sixteen")
+    monkeypatch.setenv("JAX_ROLLOUT_AMX_FROM_ROWS", "9")  # no effect
+    backend = CpuBackend(make_mesh(None), dtype="float32", param_dtype="float32", attention_impl="jax")
+    assert backend.amx_from_rows == 41
+    backend = CpuBackend(make_mesh(None), dtype="float32", param_dtype="float32", attention_impl="jax", amx_from_rows=9)
+    assert backend.amx_from_rows == 9
 
 
 @needs_amx

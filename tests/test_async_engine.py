@@ -30,7 +30,7 @@ def ref(model) -> Reference:
 
 def test_concurrent_streams_equal_the_reference(model, ref: Reference) -> None:
     engine = Engine.from_model(model, ByteTokenizer(), **ENGINE_KW)
-    free = engine.block_manager.num_free_blocks
+    free = engine.core.block_manager.num_free_blocks
 
     async def main() -> tuple[list[list[int]], list[int], list[int]]:
         aengine = AsyncEngine(engine)
@@ -64,7 +64,7 @@ def test_concurrent_streams_equal_the_reference(model, ref: Reference) -> None:
         assert ids == ref.greedy(prompt, 5 + 3 * i)
     assert quit_ids == ref.greedy(PROMPTS[4], len(quit_ids))
     assert late == ref.greedy(PROMPTS[5], 9)
-    assert not engine.requests and engine.block_manager.num_free_blocks == free  # the quitter was aborted
+    assert not engine.core.requests and engine.core.block_manager.num_free_blocks == free  # the quitter was aborted
 
 
 def test_sync_weights_between_steps_while_streaming(model) -> None:

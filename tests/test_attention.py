@@ -19,15 +19,25 @@ import pytest
 from flax import nnx
 
 from rollout import Engine, SamplingParams
-from runner.attention import (MULTIPLY_REDUCE_MAX_ROWS, PIECES_PER_GROUP, AttentionMetadata, paged_attention,
-                              ragged_paged_attention, write_kv)
+from runner.attention import (MULTIPLY_REDUCE_MAX_ROWS, PIECES_PER_GROUP, AttentionKernel, AttentionMetadata,
+                              paged_attention, ragged_paged_attention)
 from runner.backends import auto_attention_impl
+from runner.backends.attention_kernels import attention_kernel
 from runner.backends.cpu.attention import load as load_cpu_attention
+from runner.kv_layout import KVLayout
+from runner.tpu_attention import INTERPRET_BLOCKS
 from runner.models.llama import LlamaForCausalLM
-from runner.step_inputs import num_common_pages
+from runner.step_padding import num_common_pages
 from test_engine import ENGINE_KW, ByteTokenizer, make_model, rand_prompt
 
 HKV, GROUP, D, PAGE, NUM_PAGES = 2, 3, 8, 4, 40
+write_kv = KVLayout().write  # the engine's layout (a float32 cache)
+
+
+def kernel_of(impl: str) -> AttentionKernel:
+    """The attention callable a backend running `impl` puts in every step, for this file's heads."""
+    return attention_kernel(impl, num_q_heads=HKV * GROUP, num_kv_heads=HKV, head_dim=D, cache_dtype="float32",
+                            bits=False, blocks=INTERPRET_BLOCKS)
 ON_GPU = jax.default_backend() == "gpu"
 GPU_ONLY = pytest.mark.skipif(not ON_GPU, reason="the compiled Pallas GPU kernel needs a GPU (JAX_PLATFORMS=cuda)")
 
@@ -145,7 +155,7 @@ def test_sliding_window_and_soft_cap_match_reference(window: int | None, soft_ca
     md = AttentionMetadata(slot_mapping=jnp.zeros(sum(q_lens), jnp.int32), kv_lens=jnp.asarray(kv_lens + [0] * pad, jnp.int32),
                            page_indices=jnp.asarray(tables), cu_q_lens=jnp.asarray(cu),
                            num_seqs=jnp.asarray([len(q_lens)], jnp.int32), max_q_len=max_q_len,
-                           trim_rows=path == "trim", impl="cpu_kernel")
+                           trim_rows=path == "trim", kernel=kernel_of("cpu_kernel"))
     want = reference(queries, kv, q_lens, kv_lens, tables, D ** -0.5, window, soft_cap)
     got = paged_attention(jnp.asarray(queries), jnp.asarray(kv), md, sm_scale=D ** -0.5, sliding_window=window,
                           soft_cap=soft_cap)
@@ -206,7 +216,7 @@ def test_pallas_kernel_reads_the_same_cache(impl: str) -> None:
         tables[3] = NUM_PAGES  # a padding row's table pointing past the cache (the TPU kernel DMAs it)
     md = AttentionMetadata(slot_mapping=jnp.zeros(4, jnp.int32), kv_lens=jnp.asarray(kv_lens, jnp.int32),
                            page_indices=jnp.asarray(tables), cu_q_lens=jnp.arange(5, dtype=jnp.int32),
-                           num_seqs=jnp.asarray([3], jnp.int32), max_q_len=1, impl=impl)
+                           num_seqs=jnp.asarray([3], jnp.int32), max_q_len=1, kernel=kernel_of(impl))
     got = np.asarray(paged_attention(jnp.asarray(queries), jnp.asarray(kv), md, sm_scale=D ** -0.5))
     want = reference(queries, kv, q_lens, kv_lens, tables, D ** -0.5)
     np.testing.assert_allclose(got, want, atol=2e-6)

@@ -81,7 +81,8 @@ def test_invariant_matmul_rows_are_the_one_row_products(transposed: bool, on_amx
 def test_sampler_row_ignores_the_other_rows(filters: dict) -> None:
     """A row's token and raw logprob bits over SmolLM2's vocabulary, alone and among 7-63 random rows
     whose settings put the step in any sampling mode."""
-    from runner.sampler import choose_mode, sample
+    from runner.sampler import sample
+    from runner.sampling_rows import choose_mode
     from test_sampler import make_inputs
 
     vocab = 49152

@@ -19,7 +19,8 @@ from rollout.sampling_params import SamplingParams
 from runner.backends.cpu import bf16_matmul as bf16
 from runner.backends.cpu.amx_matmul import pack_kernel
 from runner.models.config import ModelConfig
-from runner.models.embedding import embedding_rows, packed_embedding_rows
+from runner.backends.cpu.amx_matmul import packed_rows as packed_embedding_rows
+from runner.models.embedding import embedding_rows
 from runner.models.llama import Linear, LlamaForCausalLM
 from tests.test_engine import ByteTokenizer
 

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from runner.models.checkpoint import read_checkpoint
+from runner.models.loader import read_checkpoint
 from runner.models.gguf_checkpoint import (
     GGUF_GLOBAL_TENSORS,
     GGUF_LAYER_TENSORS,

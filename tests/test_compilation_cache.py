@@ -20,7 +20,7 @@ import json, sys
 sys.path.insert(0, {tests!r})
 from rollout.engine import Engine
 from rollout.sampling_params import SamplingParams
-from runner.compile_counter import num_compilations
+from weight_sync.compiles import num_compilations
 from test_engine import ENGINE_KW, ByteTokenizer, make_model, rand_prompt
 import numpy as np
 import jax

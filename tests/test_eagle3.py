@@ -22,7 +22,7 @@ import pytest
 from flax import nnx
 
 from rollout import Eagle3Config, Engine, SamplingParams
-from runner.compile_counter import num_compilations
+from weight_sync.compiles import num_compilations
 from runner.spec_decode.eagle3 import Eagle3Head
 from runner.spec_decode.eagle3_checkpoint import init_eagle3_head, load_eagle3_head, save_eagle3_head
 from runner.spec_decode.eagle3_train import eagle3_loss, pack_sequences, target_features, target_to_draft
@@ -182,7 +182,7 @@ def record_drafts(engine: Engine) -> list[tuple[list[int], list[int]]]:
     """Wrap the engine's verification steps: every (sequence history, its K drafts made on the device) pair."""
     log: list[tuple[list[int], list[int]]] = []
     histories: list[list[int]] = []
-    inner_drafts = engine.speculator.draft_fn
+    inner_drafts = engine.core.speculator.draft_fn
 
     def drafting(seqs, limits):
         histories[:] = [list(s.token_ids) for s in seqs]
@@ -195,7 +195,7 @@ def record_drafts(engine: Engine) -> list[tuple[list[int], list[int]]]:
         elif result.draft_ids is not None and result.steps > 1:  # multi-step verification: replay acceptance
             num_seqs = len(histories)
             assert result.draft_ids.shape == (result.steps, num_seqs, K)
-            steps = batch.num_steps[::K + 1]  # per sequence (each has K + 1 rows)
+            steps = batch.loop.num_steps[::K + 1]  # per sequence (each has K + 1 rows)
             for i in range(result.steps):
                 for s in np.flatnonzero(steps > i):
                     drafts = result.draft_ids[i, s].tolist()
@@ -205,7 +205,7 @@ def record_drafts(engine: Engine) -> list[tuple[list[int], list[int]]]:
                     histories[s] += rows[:accepted + 1]
         return result
 
-    engine.speculator.draft_fn = drafting
+    engine.core.speculator.draft_fn = drafting
     observe_steps(engine.runner, run)
     return log
 
@@ -309,12 +309,12 @@ def test_plain_multi_step_calls_fill_the_head_cache(model, plain: Engine, traine
     engine = Engine.from_model(model, ByteTokenizer(), **ENGINE_KW, speculative=Eagle3Config(
         trained_head_dir, k=K, min_confidence=0.0, num_verify_steps=verify_steps))
     decisions = iter(range(10**6))
-    engine.speculator._worth_it = lambda seqs: next(decisions) % 3 == 0  # draft one decision in three
+    engine.core.speculator._worth_it = lambda seqs: next(decisions) % 3 == 0  # draft one decision in three
     log = record_drafts(engine)
     plain_calls: list[int] = []
     def run(batch, result):
-        if batch.num_steps is not None and batch.draft_slots is None:
-            plain_calls.append(int(np.max(batch.num_steps)))
+        if batch.kind == "decode_loop":
+            plain_calls.append(int(np.max(batch.loop.num_steps)))
         return result
 
     observe_steps(engine.runner, run)
@@ -561,10 +561,10 @@ def test_place_drafts_matches_host_built_verification(num_replicas: int) -> None
     of the same step built on the host with the drafts known (sequences with 0..K drafts, two replicas)."""
     from rollout.scheduler import ScheduledBatch
     from rollout.sequence import Sequence
-    from rollout.step_builder import build_verify_step
+    from rollout.plan_builder import build_plan
     from runner.buckets import BucketConfig
     from runner.spec_decode.eagle3_programs import place_drafts
-    from runner.step_inputs import pad_replicas
+    from runner.step_padding import pad_plan, verify_shape
 
     rng = np.random.default_rng(0)
     seqs = []
@@ -573,22 +573,22 @@ def test_place_drafts_matches_host_built_verification(num_replicas: int) -> None
         seq.num_computed_tokens, seq.replica = n - 1, i % num_replicas
         seq.block_table = [100 * seq.replica + b for b in range(3)]
         seqs.append(seq)
-    batch = ScheduledBatch(False, seqs, [1] * len(seqs))
+    batch = ScheduledBatch("decode_loop", seqs, [1] * len(seqs))
     limits = [K, 0, 1, K - 1]
     drafts = rng.integers(0, 90, (len(seqs), K)).astype(np.int32)  # what the head made, per sequence
-    known = build_verify_step(batch, (), [d[:n] for d, n in zip(drafts, limits)], rejection=True)
-    placeholders = build_verify_step(batch, (), [np.full(n, -1, np.int32) for n in limits], rejection=True,
-                                     device_drafts=True)
+    known = build_plan(batch, (), [d[:n] for d, n in zip(drafts, limits)], rejection=True)
+    placeholders = build_plan(batch, (), [np.full(n, -1, np.int32) for n in limits], rejection=True,
+                              device_drafts=True)
     buckets = BucketConfig(8, 64, 8, verify_rows=K + 1)
-    want, _ = pad_replicas(known, buckets, 16, num_replicas, 100)
-    padded, layout = pad_replicas(placeholders, buckets, 16, num_replicas, 100)
+    want, _ = pad_plan(known, verify_shape, buckets, 16, num_replicas, 100)
+    padded, layout = pad_plan(placeholders, verify_shape, buckets, 16, num_replicas, 100)
     rows = padded.md.page_indices.shape[1]
     per_row = np.zeros((num_replicas * rows, K), np.int32)
     per_row[layout.seq_index] = drafts  # the device's drafts sit at each sequence's attention row
     got = place_drafts(jax.tree.map(jnp.asarray, padded), jnp.asarray(per_row.reshape(num_replicas, rows, K)))
     np.testing.assert_array_equal(np.asarray(got.token_ids), want.token_ids)
     np.testing.assert_array_equal(np.asarray(got.sampling.draft_ids), want.sampling.draft_ids)
-    assert (placeholders.token_ids == -1).sum() == sum(limits)  # the host really left them to the device
+    assert (placeholders.tokens.token_ids == -1).sum() == sum(limits)  # the host really left them to the device
 
 
 def test_unsure_head_decodes_plainly(model, plain: Engine, trained_head_dir) -> None:

@@ -18,11 +18,11 @@ import pytest
 from flax import nnx
 
 from rollout.engine import Engine
-from rollout.output_processor import OutputProcessor
+from rollout.stop_rules import StopChecker
 from rollout.sequence import Sequence
 from rollout.outputs import RolloutBatch
 from rollout.sampling_params import SamplingParams
-from runner.compile_counter import num_compilations
+from weight_sync.compiles import num_compilations
 from runner.models.config import ModelConfig
 from runner.models.llama import LlamaForCausalLM
 
@@ -341,14 +341,14 @@ def test_shared_preamble_cascade_logprobs_match_full_forward(model, ref: Referen
     """Prompts sharing a 70-token preamble: their common cached pages are attended once per step for
     the whole batch (cascade: the pure-JAX path; "auto" takes the C++ kernel on AVX-512 CPUs, which
     reads each sequence's pages), and every sampled logprob still equals the full forward's."""
-    import runner.step_inputs
+    import runner.step_padding
 
     engine = Engine.from_model(model, ByteTokenizer(), **ENGINE_KW, attention_backend=backend)
     assert backend == "auto" or engine.stats().attention_impl == "jax"
 
     seen: list[int] = []
-    real = runner.step_inputs.num_common_pages
-    monkeypatch.setattr(runner.step_inputs, "num_common_pages", lambda *a: seen.append(real(*a)) or seen[-1])
+    real = runner.step_padding.num_common_pages
+    monkeypatch.setattr(runner.step_padding, "num_common_pages", lambda *a: seen.append(real(*a)) or seen[-1])
     rng = np.random.default_rng(77)
     preamble = rand_prompt(rng, 70)
     prompts = [preamble + rand_prompt(rng, n) for n in (3, 9, 20)]
@@ -375,7 +375,7 @@ def test_eos_stops_and_min_tokens_masks_it(eos_engine: Engine) -> None:
         c = out.outputs[0]
         assert len(c.token_ids) >= 5
         assert EOS not in c.token_ids[:5]
-        if sp.greedy:
+        if sp.temperature == 0.0:
             assert c.token_ids[5:] == [EOS] and c.finish_reason == "stop"
     (out,) = eos_engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True))
     c = out.outputs[0]
@@ -450,13 +450,13 @@ def test_a_stop_string_completed_by_a_multi_byte_character_is_seen() -> None:
         def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
             return bytes(ids).decode("utf-8", errors="replace")
 
-    processor = OutputProcessor(None, Utf8Bytes(), eos_token_ids=(), max_model_len=64)  # type: ignore[arg-type]
+    stops = StopChecker(Utf8Bytes(), eos_token_ids=(), max_model_len=64)  # type: ignore[arg-type]
     seq = Sequence(0, 0, 0, [ord("x")], SamplingParams(stop=["é"], max_tokens=10), seed=0, arrival=0)
     finished = []
     for token in [ord("a"), *"é".encode()]:
         seq.token_ids.append(token)
-        finished.append(processor._check_stop(seq, token))
-    assert finished == [False, False, True] and seq.stop_reason == "é" and seq.stop_text_at == 1
+        finished.append(stops.check(seq, token))
+    assert finished == [False, False, True] and seq.out.stop_reason == "é" and seq.out.stop_text_at == 1
 
 
 def test_prompt_close_to_max_model_len_finishes_with_length(engine: Engine, ref: Reference) -> None:
@@ -562,13 +562,13 @@ def test_bad_input_raises_before_any_state_change(engine: Engine) -> None:
     ]
     bad_calls += [([good], SamplingParams(stop_token_ids=[VOCAB])), ([good], SamplingParams(stop_token_ids=[2**40]))]
     for prompts, params in bad_calls:
-        state = (len(engine.requests), engine.stats_.num_sequences, len(engine.scheduler.waiting),
-                 engine.block_manager.num_free_blocks)
+        state = (len(engine.core.requests), engine.stats().num_sequences, len(engine.core.scheduler.waiting),
+                 engine.core.block_manager.num_free_blocks)
         with pytest.raises(ValueError):
             engine.generate(prompts, params)
-        assert not engine.scheduler.has_unfinished()
-        assert (len(engine.requests), engine.stats_.num_sequences, len(engine.scheduler.waiting),
-                engine.block_manager.num_free_blocks) == state, prompts
+        assert not engine.core.scheduler.has_unfinished()
+        assert (len(engine.core.requests), engine.stats().num_sequences, len(engine.core.scheduler.waiting),
+                engine.core.block_manager.num_free_blocks) == state, prompts
     assert engine.generate([good], sp)[0].outputs[0].token_ids == expected
     assert engine.generate(ByteTokenizer().decode(good), sp)[0].outputs[0].token_ids == expected
 
@@ -586,7 +586,7 @@ def test_a_failed_step_leaves_no_prefix_cached(engine: Engine, ref: Reference, m
         m.setattr(engine.runner, "launch", lost)
         with pytest.raises(RuntimeError, match="device lost"):
             engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8))
-    assert not engine.scheduler.has_unfinished()
+    assert not engine.core.scheduler.has_unfinished()
     (out,) = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8))
     assert out.outputs[0].token_ids == ref.greedy(prompt, 8)
 

@@ -45,7 +45,7 @@ def test_add_request_and_step_equal_generate(engine: Engine, ref: Reference) -> 
     ids = [engine.add_request(p, GREEDY) for p in PROMPTS] + [engine.add_request(PROMPTS[1], sampled, "mine")]
     assert ids[-1] == "mine" and len(set(ids)) == len(ids) and all(isinstance(i, str) for i in ids)
     seen = run_to_end(engine)
-    assert set(seen) == set(ids) and not engine.requests
+    assert set(seen) == set(ids) and not engine.core.requests
     for rid, prompt in zip(ids, PROMPTS):
         outs = seen[rid]
         assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]  # cumulative: one per step
@@ -80,7 +80,7 @@ def _fields(sp: SamplingParams) -> dict:
 
 
 def test_abort_frees_blocks_and_returns_what_was_produced(engine: Engine, ref: Reference) -> None:
-    free = engine.block_manager.num_free_blocks
+    free = engine.core.block_manager.num_free_blocks
     long = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
     victim = engine.add_request(PROMPTS[2], long, "victim")
     keeper = engine.add_request(PROMPTS[0], GREEDY, "keeper")
@@ -94,17 +94,17 @@ def test_abort_frees_blocks_and_returns_what_was_produced(engine: Engine, ref: R
     assert engine.abort([victim, "never-added"]) == []  # already gone, unknown: ignored
     seen = run_to_end(engine)
     assert seen[keeper][-1].outputs[0].token_ids == ref.greedy(PROMPTS[0], 20) and victim not in seen
-    assert engine.block_manager.num_free_blocks == free and not engine.requests
+    assert engine.core.block_manager.num_free_blocks == free and not engine.core.requests
 
 
 def test_bad_requests_change_nothing(engine: Engine) -> None:
     engine.add_request(PROMPTS[0], GREEDY, "taken")
-    state = (len(engine.requests), len(engine.scheduler.waiting), engine.stats_.num_sequences)
+    state = (len(engine.core.requests), len(engine.core.scheduler.waiting), engine.stats().num_sequences)
     for prompt, params, rid in [(PROMPTS[1], GREEDY, "taken"), (PROMPTS[1], GREEDY, ""), (PROMPTS[1], GREEDY, 5),
                                 ([], GREEDY, None), ([1, 2, 999], GREEDY, None), (PROMPTS[1], "greedy", None)]:
         with pytest.raises(ValueError):
             engine.add_request(prompt, params, rid)
-        assert (len(engine.requests), len(engine.scheduler.waiting), engine.stats_.num_sequences) == state
+        assert (len(engine.core.requests), len(engine.core.scheduler.waiting), engine.stats().num_sequences) == state
     with pytest.raises(ValueError, match="output_kind"):
         SamplingParams(output_kind="streaming")
     assert run_to_end(engine)["taken"][-1].finished
@@ -152,7 +152,7 @@ def test_random_add_abort_resume_sync_interleavings_lose_nothing(model, ref: Ref
     """A seeded property test: 1,000 random adds, aborts, resumes, steps and syncs; no request is lost,
     no KV block leaks, and every request that ran to its end (resumed or not) equals the reference."""
     engine = Engine.from_model(model, ByteTokenizer(), **{**ENGINE_KW, "kv_cache_blocks": 24})
-    free = engine.block_manager.num_free_blocks
+    free = engine.core.block_manager.num_free_blocks
     rng = np.random.default_rng(0)
     from test_weight_sync import to_hf
 
@@ -166,8 +166,8 @@ def test_random_add_abort_resume_sync_interleavings_lose_nothing(model, ref: Ref
             prompt = rand_prompt(rng, int(rng.integers(1, 50)))
             sp = SamplingParams(temperature=0.0, max_tokens=int(rng.integers(1, 40)), ignore_eos=True)
             added[engine.add_request(prompt, sp)] = prompt
-        elif r < 0.33 and engine.requests:
-            for out in engine.abort(str(rng.choice(list(engine.requests)))):
+        elif r < 0.33 and engine.core.requests:
+            for out in engine.abort(str(rng.choice(list(engine.core.requests)))):
                 finished[out.request_id] = out
         elif r < 0.38 and (aborted := [k for k, o in finished.items() if o.outputs[0].finish_reason == "abort"]):
             rid = str(rng.choice(aborted))
@@ -180,10 +180,10 @@ def test_random_add_abort_resume_sync_interleavings_lose_nothing(model, ref: Ref
             for out in engine.step():
                 if out.finished:
                     finished[out.request_id] = out
-    for out in engine.abort(list(engine.requests)):
+    for out in engine.abort(list(engine.core.requests)):
         finished[out.request_id] = out
     assert set(finished) == set(added) and not engine.has_unfinished_requests() and num_resumed > 20
-    assert engine.block_manager.num_free_blocks == free
+    assert engine.core.block_manager.num_free_blocks == free
     for rid, out in finished.items():
         c = out.outputs[0]
         assert c.token_ids == ref.greedy(added[rid], len(c.token_ids)), rid
@@ -203,7 +203,7 @@ def test_a_next_turn_reuses_the_finished_turns_kv(engine: Engine, ref: Reference
     assert engine.stats().prefix_cache_hit_tokens - before == 48
     assert turn2.outputs[0].token_ids == ref.greedy(history + observation, 10)
     rid = engine.add_request(first, SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
-    while len(engine.requests[rid].seqs[0].output_ids) < 20:
+    while len(engine.core.requests[rid].seqs[0].output_ids) < 20:
         engine.step()
     (partial,) = engine.abort(rid)
     resumed = first + partial.outputs[0].token_ids
@@ -222,7 +222,7 @@ def test_resume_continues_under_the_new_weights_from_the_prefix_cache(engine: En
     prompt = rand_prompt(np.random.default_rng(9), 21)
     sp = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True, logprobs=0)
     rid = engine.add_request(prompt, sp, "long")
-    while len(engine.requests[rid].seqs[0].output_ids) < 20:
+    while len(engine.core.requests[rid].seqs[0].output_ids) < 20:
         engine.step()
     (partial,) = engine.abort(rid)
     done = partial.outputs[0].token_ids
@@ -243,7 +243,7 @@ def test_resume_continues_under_the_new_weights_from_the_prefix_cache(engine: En
     np.testing.assert_allclose(resumed_lp, want, atol=2e-4)
     # without a sync in between the prefix cache serves the computed blocks
     rid = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), "again")
-    while len(engine.requests[rid].seqs[0].output_ids) < 20:
+    while len(engine.core.requests[rid].seqs[0].output_ids) < 20:
         engine.step()
     (partial,) = engine.abort(rid)
     n = len(partial.outputs[0].token_ids)
@@ -257,7 +257,7 @@ def test_resume_continues_under_the_new_weights_from_the_prefix_cache(engine: En
 def test_resume_after_length_equals_one_longer_run(engine: Engine) -> None:
     """Randomness is keyed by (seed, sample, position): a seeded sample cut by max_tokens and resumed
     for more tokens equals one run with the larger max_tokens. Bad resumes raise and change nothing."""
-    free = engine.block_manager.num_free_blocks
+    free = engine.core.block_manager.num_free_blocks
     sp = SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=24, ignore_eos=True, logprobs=0)
     (whole,) = engine.generate([PROMPTS[2]], sp)
     rid = engine.add_request(PROMPTS[2], SamplingParams(**{**_fields(sp), "max_tokens": 10}))
@@ -273,7 +273,7 @@ def test_resume_after_length_equals_one_longer_run(engine: Engine) -> None:
     assert [c.token_ids for c in final.outputs] == [c.token_ids for c in whole.outputs]
     for got, want in zip(final.outputs, whole.outputs):
         np.testing.assert_allclose([t.logprob for t in got.logprobs], [t.logprob for t in want.logprobs], atol=1e-4)
-    assert engine.block_manager.num_free_blocks == free  # cached blocks count as free
+    assert engine.core.block_manager.num_free_blocks == free  # cached blocks count as free
 
 
 def test_multi_turn_trajectories_mask_environment_tokens(engine: Engine, ref: Reference) -> None:

@@ -48,7 +48,7 @@ def test_greedy_matches_transformers_generate(smollm2_path: str) -> None:
     for r, row in enumerate(rows):  # left padding
         ids[r, width - len(row):] = torch.tensor(row)
         mask[r, width - len(row):] = 1
-    eos = list(engine.eos_token_ids)
+    eos = list(engine.core.eos_token_ids)
     with torch.no_grad():
         gen = hf.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW_TOKENS,
                           min_new_tokens=NEW_TOKENS, use_cache=True, pad_token_id=pad, eos_token_id=eos,

@@ -17,7 +17,7 @@ from flax import nnx
 
 from rollout.engine import Engine
 from rollout.sampling_params import SamplingParams
-from runner.compile_counter import num_compilations
+from weight_sync.compiles import num_compilations
 from runner.models.llama import LlamaForCausalLM
 from test_engine import CFG, ENGINE_KW, ByteTokenizer, Reference, make_model, rand_prompt
 from test_weight_sync import fuse, to_hf

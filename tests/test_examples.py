@@ -167,7 +167,7 @@ def test_tool_use_step_tiny() -> None:
     trainer = tool_use.ToolTrainer(cfg)
     log = trainer.step(0)
     assert np.isfinite(log.loss) and log.turns >= 1 and log.completion_len > 0 and log.mismatch_max < 1e-5
-    assert trainer.engine.policy_version == 1 and not trainer.engine.requests
+    assert trainer.engine.policy_version == 1 and not trainer.engine.core.requests
 
 
 @pytest.mark.parametrize("script", ["grpo", "rloo"])

@@ -15,8 +15,8 @@ import pytest
 
 from rollout.engine import Engine
 from rollout.sampling_params import SamplingParams
-from runner.models.config import ModelConfig
 from runner.models.loader import load_model
+from runner.models.registry import config_from_hf
 from test_engine import ByteTokenizer, rand_prompt
 
 torch = pytest.importorskip("torch")
@@ -143,15 +143,15 @@ def test_hub_and_transformers_5_gemma3_configs_read_the_same() -> None:
     """A hub config.json (rope_local_base_freq, sliding_window_pattern, rope_scaling) and transformers 5's
     (rope_parameters per layer type, layer_types) describe the same model."""
     base = dict(COMMON, architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", num_hidden_layers=7)
-    hub = ModelConfig.from_hf_dict(dict(base, rope_theta=1e6, rope_local_base_freq=10000.0, sliding_window_pattern=6,
+    hub = config_from_hf(dict(base, rope_theta=1e6, rope_local_base_freq=10000.0, sliding_window_pattern=6,
                                         rope_scaling={"rope_type": "linear", "factor": 8.0}))
-    new = ModelConfig.from_hf_dict(dict(base, layer_types=["sliding_attention"] * 5 + ["full_attention", "sliding_attention"],
+    new = config_from_hf(dict(base, layer_types=["sliding_attention"] * 5 + ["full_attention", "sliding_attention"],
                                         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                                          "full_attention": {"rope_type": "linear", "factor": 8.0,
                                                                             "rope_theta": 1e6}}))
     assert hub == new and hub.sliding_layers == (0, 1, 2, 3, 4, 6) and hub.rope_scaling.rope_type == "linear"
     with pytest.raises(ValueError, match="hidden_activation"):
-        ModelConfig.from_hf_dict(dict(base, hidden_activation="relu"))
+        config_from_hf(dict(base, hidden_activation="relu"))
 
 
 def test_mistral_sliding_window_equals_transformers(tmp_path: Path) -> None:

@@ -12,8 +12,8 @@ import numpy as np
 
 import rollout.engine_core as engine_core
 from rollout import Engine, SamplingParams
-from rollout.step_builder import build_step
-from runner.step_inputs import block_table_array
+from rollout.plan_builder import build_plan
+from runner.step_padding import block_table_array
 from test_engine import ENGINE_KW, ByteTokenizer, make_model, rand_prompt
 
 
@@ -21,28 +21,33 @@ def test_ahead_step_equals_the_rebuilt_step(monkeypatch) -> None:
     """Every call launched ahead in a run with min_tokens, stop ids, logprobs, EOS and several lengths
     carries what rebuilding it from the sequences gives, for every input the device reads."""
     checked = []
-    derived = engine_core.build_ahead_step
+    derived = engine_core.ahead_plan
 
-    def compare(prev, batch, kept, prev_rows, eos_token_ids):
-        step = derived(prev, batch, kept, prev_rows, eos_token_ids)
-        done = prev.num_steps[np.asarray(kept)]
-        fresh = build_step(batch, eos_token_ids, multi_step=True)
-        fresh = dataclasses.replace(fresh, positions=fresh.positions + done, kv_lens=fresh.kv_lens + done,
-                                    suppress_steps=np.maximum(fresh.suppress_steps - done, 0))
-        for name in ("positions", "kv_lens", "q_lens", "num_steps", "suppress_steps", "stop_ids", "replicas"):
-            np.testing.assert_array_equal(getattr(step, name), getattr(fresh, name), err_msg=name)
+    def compare(prev, batch, kept, prev_rows):
+        step = derived(prev, batch, kept, prev_rows)
+        done = prev.loop.num_steps[np.asarray(kept)]
+        fresh = build_plan(batch, engine.core.eos_token_ids)
+        fresh_tokens = dataclasses.replace(fresh.tokens, positions=fresh.tokens.positions + done,
+                                           kv_lens=fresh.tokens.kv_lens + done)
+        fresh_loop = dataclasses.replace(fresh.loop, suppress_steps=np.maximum(fresh.loop.suppress_steps - done, 0))
+        for name in ("positions", "kv_lens", "q_lens", "replicas"):
+            np.testing.assert_array_equal(getattr(step.tokens, name), getattr(fresh_tokens, name), err_msg=name)
+        for name in ("num_steps", "suppress_steps", "stop_ids"):
+            np.testing.assert_array_equal(getattr(step.loop, name), getattr(fresh_loop, name), err_msg=name)
         for name in ("temperature", "top_k", "top_p", "min_p", "seeds", "sample_index", "want_logprob"):
-            np.testing.assert_array_equal(getattr(step.sampling, name), getattr(fresh.sampling, name), err_msg=name)
+            np.testing.assert_array_equal(getattr(step.sampling.rows, name), getattr(fresh.sampling.rows, name),
+                                          err_msg=name)
         # suppressed ids only count while suppress_steps does (the device masks them for those steps)
-        live = step.suppress_steps > 0
-        np.testing.assert_array_equal(step.suppress_ids[live], fresh.suppress_ids[live])
-        assert step.block_tables == fresh.block_tables and step.kind == "decode"
-        assert (step.num_top_logprobs, step.sampling_record) == (fresh.num_top_logprobs, fresh.sampling_record)
-        np.testing.assert_array_equal(step.feed_rows, np.asarray(prev_rows, np.int32))
+        live = step.loop.suppress_steps > 0
+        np.testing.assert_array_equal(step.sampling.suppress_ids[live], fresh.sampling.suppress_ids[live])
+        assert step.tokens.block_tables == fresh.tokens.block_tables and step.kind == "decode_loop"
+        assert ((step.sampling.num_top_logprobs, step.sampling.sampling_record)
+                == (fresh.sampling.num_top_logprobs, fresh.sampling.sampling_record))
+        np.testing.assert_array_equal(step.loop.feed_rows, np.asarray(prev_rows, np.int32))
         checked.append(int(live.sum()))
         return step
 
-    monkeypatch.setattr(engine_core, "build_ahead_step", compare)
+    monkeypatch.setattr(engine_core, "ahead_plan", compare)
     rng = np.random.default_rng(7)
     prompts = [rand_prompt(rng, int(n)) for n in rng.integers(3, 30, 8)]
     params = [SamplingParams(temperature=[0.0, 0.8][i % 2], seed=i, max_tokens=int(rng.integers(20, 70)),

@@ -230,7 +230,7 @@ def test_eagle3_drafting_on_a_mesh_equals_single_device(setup: tuple, mesh: tupl
                                speculative=Eagle3Config(str(tmp_path), k=3, auto_disable=False,
                                                         min_confidence=min_confidence))
     decisions = iter(range(10**6))
-    engine.speculator._worth_it = lambda seqs: next(decisions) % 2 == 0  # plain multi-step calls fill the cache too
+    engine.core.speculator._worth_it = lambda seqs: next(decisions) % 2 == 0  # plain multi-step calls fill the cache too
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=12, logprobs=0))
     assert_same_as_single_device(outs, ref)
     s = engine.stats().speculative
@@ -266,7 +266,7 @@ def test_heads_the_model_axis_does_not_divide(heads: tuple[int, int]) -> None:
     """(1, 4) with 9/3 heads (padded), 8/2 (KV replicated) and 3/1: the stored model computes the
     checkpoint's function, the KV cache is split by head, and `sync_weights` takes the trainer's
     (checkpoint-layout) parameters."""
-    from runner.models.head_layout import with_head_layout
+    from runner.models.registry import with_head_layout
 
     cfg = ModelConfig(family="qwen2", vocab_size=96, hidden_size=72, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=heads[0], num_key_value_heads=heads[1], head_dim=8, qkv_bias=True)

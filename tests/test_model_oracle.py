@@ -25,6 +25,7 @@ from flax import nnx
 from runner.models.config import ModelConfig
 from runner.models.llama import LlamaForCausalLM
 from runner.models.loader import load_model
+from runner.models.registry import config_from_hf
 from tests.helpers_models import (
     FAMILIES,
     hf_config,
@@ -268,7 +269,7 @@ def test_adam_step_lowers_next_token_loss() -> None:
     import optax
 
     hf = hf_config("qwen3", num_hidden_layers=1)  # qk-norm, tied embeddings: every kind of parameter
-    cfg = ModelConfig.from_hf_dict(hf)
+    cfg = config_from_hf(hf)
     model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
     ids = jnp.asarray(IDS)

@@ -8,7 +8,7 @@ import pytest
 
 from rollout import Eagle3Config, Engine, NgramConfig, SamplingParams
 from rollout.engine_config import DEFAULT_SCHEDULER_STEPS, EngineConfig
-from runner.compile_counter import num_compilations
+from weight_sync.compiles import num_compilations
 from test_engine import EOS, ENGINE_KW, MAX_LEN, ByteTokenizer, make_model, rand_prompt
 
 STEPS = 4
@@ -135,7 +135,7 @@ def test_async_scheduling_changes_no_token() -> None:
         outs[overlap] = engine.generate(prompts, params)
         assert (engine.stats().num_ahead_calls > 0) == overlap
         assert not engine.has_unfinished_requests()
-        assert engine.block_manager.num_free_blocks == engine.block_manager.num_free(0)
+        assert engine.core.block_manager.num_free_blocks == engine.core.block_manager.num_free(0)
     reasons = set()
     for a, b in zip(outs[False], outs[True]):
         for x, y in zip(a.outputs, b.outputs):
@@ -151,7 +151,7 @@ def test_async_scheduling_changes_no_token() -> None:
     rids = [engine.add_request(p, sp) for p, sp in zip(prompts[:4], params[:4])]
     while engine.stats().num_ahead_calls == 0:
         engine.step()
-    assert engine._ahead is not None
+    assert engine.core._ahead is not None
     engine.abort(rids[0])
     final = {}
     while engine.has_unfinished_requests():

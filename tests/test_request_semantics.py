@@ -68,10 +68,10 @@ def test_a_stop_string_is_kept_when_asked(engine: Engine, model) -> None:
     ([[3, 4]], {"temperature": 0.0}, "got a dict"),
 ])
 def test_bad_input_names_the_field(engine: Engine, prompts: object, params: object, match: str) -> None:
-    state = (len(engine.requests), len(engine.scheduler.waiting))
+    state = (len(engine.core.requests), len(engine.core.scheduler.waiting))
     with pytest.raises(ValueError, match=match):
         engine.generate(prompts, params)
-    assert (len(engine.requests), len(engine.scheduler.waiting)) == state
+    assert (len(engine.core.requests), len(engine.core.scheduler.waiting)) == state
 
 
 def test_bad_sampling_fields() -> None:

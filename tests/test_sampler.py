@@ -14,8 +14,9 @@ import pytest
 from scipy import stats
 
 from runner import sampler as sm
-from runner.sampler import choose_mode, sample
-from runner.step_inputs import SamplingInputs
+from runner.sampler import sample
+from runner.sampling_rows import choose_mode
+from runner.step_padding import SamplingInputs
 
 V_SMALL = 24
 
@@ -371,20 +372,22 @@ def test_choose_mode() -> None:
 
 
 def test_the_engine_steps_take_choose_mode() -> None:
-    """`step_inputs.sampler_mode` (what a step runs) is `choose_mode` with each row's logprobs mode: a
+    """`SamplingPlan.mode` (what a step runs) is `choose_mode` with each row's logprobs mode: a
     greedy row's top-k does not make a batch that samples only without filters "filtered"."""
     from types import SimpleNamespace
 
-    from runner.step_inputs import SAMPLER_MODES, sampler_mode
+    from runner.sampling_rows import SAMPLER_MODES
+    from runner.step_plan import SamplingPlan
 
     rows = dict(temperature=np.array([1.0, 0.0], np.float32), top_k=np.array([0, 50], np.int32),
                 top_p=np.ones(2, np.float32), min_p=np.zeros(2, np.float32))
     for processed, want in (([False, False], "random"), ([False, True], "filtered")):
-        step = SimpleNamespace(sampling=SimpleNamespace(**rows, processed=np.array(processed)), sampling_record=False)
-        assert SAMPLER_MODES[sampler_mode(step)] == want == choose_mode(**rows, processed=np.array(processed))
+        plan = SamplingPlan(SimpleNamespace(**rows, processed=np.array(processed)), np.zeros((2, 8), np.int32))
+        assert SAMPLER_MODES[plan.mode] == want == choose_mode(**rows, processed=np.array(processed))
     # a sampling record describes the processed distribution: the greedy row's top-k then counts
-    step = SimpleNamespace(sampling=SimpleNamespace(**rows, processed=np.zeros(2, bool)), sampling_record=True)
-    assert SAMPLER_MODES[sampler_mode(step)] == "filtered"
+    plan = SamplingPlan(SimpleNamespace(**rows, processed=np.zeros(2, bool)), np.zeros((2, 8), np.int32),
+                        sampling_record=True)
+    assert SAMPLER_MODES[plan.mode] == "filtered"
 
 
 def test_unknown_mode_raises(small_logits: np.ndarray) -> None:

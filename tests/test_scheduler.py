@@ -230,7 +230,7 @@ def test_continuous_batching_under_seq_and_token_budgets() -> None:
         assert len(batch.seqs) <= 3 and len(sched.running) <= 3
         assert batch.num_tokens <= 32
         assert all(n >= 1 for n in batch.num_new_tokens)
-        if not batch.is_prefill:
+        if batch.kind == "decode_loop":
             assert batch.num_new_tokens == [1] * len(batch.seqs)
         check_block_invariants(sched.block_manager, sched.running)
         batches.append(batch)
@@ -254,16 +254,79 @@ def test_waiting_queue_when_max_num_seqs_reached() -> None:
     for s in seqs:
         sched.add(s)
     batch = sched.schedule()
-    assert batch.is_prefill and batch.seqs == seqs[:2]
+    assert batch.kind == "ragged" and batch.seqs == seqs[:2]
     assert list(sched.waiting) == seqs[2:]
     simulate(sched, batch)
     for _ in range(2):  # two decodes finish the first two
         batch = sched.schedule()
-        assert not batch.is_prefill and batch.seqs == seqs[:2]
+        assert batch.kind == "decode_loop" and batch.seqs == seqs[:2]
         simulate(sched, batch)
     assert seqs[0].is_finished and seqs[1].is_finished
     batch = sched.schedule()
-    assert batch.is_prefill and batch.seqs == seqs[2:]
+    assert batch.kind == "ragged" and batch.seqs == seqs[2:]
+
+
+def test_an_arriving_prompt_shares_the_step_of_running_decodes() -> None:
+    """vLLM v1's order: every running decode gets its one token first, then a prompt's chunk fills the rest
+    of the token budget, in one ragged step; once no prompt waits, a decode loop of up to
+    `num_scheduler_steps` tokens per sequence runs. The decodes never stall behind the prompt."""
+    bm = BlockManager(64, 4)
+    sched = Scheduler(SchedulerConfig(4, 16, 128, num_scheduler_steps=8), bm)
+    a, b = make_seq([1, 2, 3], max_tokens=30), make_seq([4, 5, 6, 7], max_tokens=30)
+    sched.add(a)
+    sched.add(b)
+    batch = sched.schedule()
+    assert batch.kind == "ragged" and batch.seqs == [a, b] and batch.num_new_tokens == [3, 4]
+    simulate(sched, batch)
+    batch = sched.schedule()
+    assert batch.kind == "decode_loop" and batch.seqs == [a, b] and batch.num_new_tokens == [8, 8]
+    for seq in batch.seqs:  # (what a decode loop's eight tokens do)
+        seq.num_computed_tokens += 8
+        seq.token_ids += [7] * 8
+    long = make_seq(list(range(40)), max_tokens=2)
+    sched.add(long)
+    chunks = []
+    while long.num_output_tokens == 0:
+        batch = sched.schedule()
+        assert batch.kind == "ragged" and batch.seqs[:2] == [a, b] and batch.num_new_tokens[:2] == [1, 1]
+        assert batch.seqs[2:] == [long] and batch.num_tokens <= 16
+        chunks.append(batch.num_new_tokens[2])
+        before = a.num_output_tokens
+        simulate(sched, batch)
+        assert a.num_output_tokens == before + 1  # every step decodes the running sequences
+    assert chunks == [14, 14, 12]
+    batch = sched.schedule()
+    assert batch.kind == "decode_loop" and batch.seqs == [a, b, long] and batch.num_new_tokens == [8, 8, 1]
+
+
+def test_speculation_interleaves_a_decode_step_after_each_ragged_one() -> None:
+    """Drafts are made only in decode steps: with `interleave_decodes` (speculation), arriving prompts
+    alternate with decode steps of the running sequences instead of keeping every step ragged."""
+    bm = BlockManager(64, 4)
+    sched = Scheduler(SchedulerConfig(8, 64, 128, interleave_decodes=True), bm)
+    a = make_seq([1, 2, 3], max_tokens=30)
+    sched.add(a)
+    simulate(sched, sched.schedule())
+    kinds = []
+    for i in range(6):
+        sched.add(make_seq([9, i], max_tokens=30))  # a prompt arrives before every step
+        batch = sched.schedule()
+        kinds.append(batch.kind)
+        assert a in batch.seqs  # the running sequence decodes in every step
+        simulate(sched, batch)
+    assert kinds == ["decode_loop", "ragged"] * 3  # (the first step after `a`'s own prefill decodes)
+
+
+def test_decodes_take_the_token_budget_first() -> None:
+    sched = make_scheduler(max_num_seqs=8, budget=32)
+    running = [make_seq([i, i + 1], max_tokens=20) for i in range(3)]
+    for seq in running:
+        sched.add(seq)
+    simulate(sched, sched.schedule())
+    prompt = make_seq(list(range(100)), max_tokens=2)
+    sched.add(prompt)
+    batch = sched.schedule()
+    assert batch.kind == "ragged" and batch.seqs == [*running, prompt] and batch.num_new_tokens == [1, 1, 1, 29]
 
 
 def test_chunked_prefill_of_long_prompt() -> None:
@@ -275,7 +338,7 @@ def test_chunked_prefill_of_long_prompt() -> None:
     chunks = []
     while long.num_output_tokens == 0:
         batch = sched.schedule()
-        assert batch.is_prefill and batch.num_tokens <= 16
+        assert batch.kind == "ragged" and batch.num_tokens <= 16
         assert long in batch.seqs
         chunks.append(batch.num_new_tokens[batch.seqs.index(long)])
         before = long.num_tokens
@@ -312,7 +375,7 @@ def test_preemption_frees_newest_and_requeues_at_head() -> None:
     assert batch.seqs == [old, new]
     simulate(sched, batch)  # both have 8 tokens now: still 2 blocks each
     batch = sched.schedule()
-    assert not batch.is_prefill and batch.seqs == [old, new]
+    assert batch.kind == "decode_loop" and batch.seqs == [old, new]
     simulate(sched, batch)  # 9 tokens each: a third block each, one is free
     assert sched.num_preemptions == 0
     batch = sched.schedule()
@@ -332,7 +395,7 @@ def test_preemption_frees_newest_and_requeues_at_head() -> None:
         assert queued not in batch.seqs and new not in batch.seqs
         simulate(sched, batch)
     batch = sched.schedule()
-    assert batch.is_prefill and batch.seqs[0] is new
+    assert batch.kind == "ragged" and batch.seqs[0] is new
     assert batch.num_new_tokens[0] == new.num_tokens  # full recompute: prompt + 2 generated
     run_to_completion(sched)
     assert new.is_finished and new.num_output_tokens == 6 and queued.is_finished

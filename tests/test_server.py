@@ -135,7 +135,7 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(server, client: opena
     biased = client.completions.create(model="tiny", prompt="ok", max_tokens=3, temperature=0.0,
                                        logit_bias={"65": 100.0}, presence_penalty=0.1)
     assert biased.choices[0].text == "AAA"  # the ByteTokenizer's id 65: processors reach the engine
-    assert not engine.requests
+    assert not engine.core.requests
 
 
 def _http(method: str, url: str, body: bytes | None = None, headers: dict[str, str] | None = None

@@ -10,7 +10,7 @@ import pytest
 
 from rollout.engine import Engine
 from rollout.sampling_params import SamplingParams
-from runner.compile_counter import num_compilations
+from weight_sync.compiles import num_compilations
 from test_engine import ENGINE_KW, ByteTokenizer, make_model, rand_prompt
 
 

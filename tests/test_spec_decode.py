@@ -22,9 +22,9 @@ from flax import nnx
 from rollout import Engine, NgramConfig, SamplingParams
 from rollout.scheduler import ScheduledBatch
 from rollout.speculator import EMA, PROBE_STEPS, Speculator
-from runner.compile_counter import num_compilations
+from weight_sync.compiles import num_compilations
 from runner.spec_decode.ngram import propose_batch, propose_ngram
-from runner.step_inputs import pad_replicas
+from runner.step_padding import pad_plan, verify_shape
 from test_engine import ENGINE_KW, MAX_LEN, ByteTokenizer, make_model, rand_prompt
 
 SPEC = NgramConfig(k=4, prompt_lookup_min=1, prompt_lookup_max=3, auto_disable=False)
@@ -140,7 +140,7 @@ def test_steps_without_drafts_run_as_multi_step_calls(plain: Engine, model) -> N
     calls of up to `num_scheduler_steps` steps; outputs and logprobs stay those of plain decoding."""
     engine = Engine.from_model(model, ByteTokenizer(), **ENGINE_KW, speculative=SPEC, num_scheduler_steps=4)
     decisions = iter(range(10**6))
-    engine.speculator._worth_it = lambda num_seqs: next(decisions) % 3 == 0  # draft one step in three
+    engine.core.speculator._worth_it = lambda num_seqs: next(decisions) % 3 == 0  # draft one step in three
     prompts = repetitive_prompts(7, 8)
     params = [SamplingParams(seed=i, max_tokens=30, ignore_eos=True, temperature=1.0 if i % 2 else 0.0, logprobs=1)
               for i in range(8)]
@@ -296,8 +296,8 @@ def test_verification_rows_are_trimmed_only_without_vmap(model) -> None:
     runner = Engine.from_model(model, ByteTokenizer(), **ENGINE_KW, speculative=SPEC).runner
     step = runner.dummy_steps.verify(SPEC.k + 1, runner.buckets.page_buckets[-1], SPEC.k, 0)
     args = (runner.buckets, runner.kv_spec.block_size, 1, runner.kv_spec.blocks_per_replica)
-    assert pad_replicas(step, *args)[0].md.trim_rows
-    assert not pad_replicas(step, *args, on_mesh=True)[0].md.trim_rows
+    assert pad_plan(step, verify_shape, *args)[0].md.trim_rows
+    assert not pad_plan(step, verify_shape, *args, on_mesh=True)[0].md.trim_rows
 
 
 def test_auto_disable_on_unhelpful_drafts(model) -> None:
@@ -316,10 +316,15 @@ def decisions(s: Speculator, seqs: list[SimpleNamespace], count: int) -> list[bo
     return [s._worth_it(seqs) for _ in range(count)]
 
 
-def fake_seqs(n: int) -> list[SimpleNamespace]:
-    """What the speculator reads of a `Sequence`."""
-    return [SimpleNamespace(tokens_per_draft_step=None, params=SimpleNamespace(max_tokens=100), num_output_tokens=0,
-                            num_tokens=10) for _ in range(n)]
+class FakeSeq:
+    """What the speculator reads of a `Sequence` (hashed by identity and weakly referenced, as one)."""
+
+    def __init__(self, **fields: object) -> None:
+        self.__dict__.update(fields)
+
+
+def fake_seqs(n: int) -> list[FakeSeq]:
+    return [FakeSeq(params=SimpleNamespace(max_tokens=100), num_output_tokens=0, num_tokens=10) for _ in range(n)]
 
 
 def test_worth_it_decision() -> None:
@@ -351,7 +356,7 @@ def test_worth_it_decision() -> None:
         s.record_step(8, False, 0.005)
     assert decisions(s, seqs, 15).count(False) >= 14
     # a multi-step plain call counts all its steps towards the next re-measurement of drafting
-    batch = ScheduledBatch(False, seqs, [8] * 8)
+    batch = ScheduledBatch("decode_loop", seqs, [8] * 8)
     s.draft_fn = lambda seqs, limits: [np.array([1], np.int32)] * len(seqs)
     probes = [s.propose(batch)[0].num_new_tokens[0] == 1 for _ in range(40)]
     assert 2 <= probes.count(True) <= 12, probes
@@ -372,13 +377,13 @@ def test_estimates_start_optimistic_and_forget_stale_values() -> None:
     s.record_step(1, False, 0.010)
     [seq] = fake_seqs(1)
     s.record_acceptance(seq, 3, 0, 1, None)
-    assert seq.tokens_per_draft_step == pytest.approx((1 - EMA) * 4 + EMA * 1)
+    assert s._estimate(seq) == pytest.approx((1 - EMA) * 4 + EMA * 1)
     for _ in range(40):
         s.record_acceptance(seq, 3, 2, 3, None)
     for _ in range(6):  # unlucky: 3 -> 1.52 tokens per step, below break-even
         s.record_acceptance(seq, 3, 0, 1, None)
     assert s.expected_tokens_per_step([seq]) < 1.6
-    drafted = [s.propose(ScheduledBatch(False, [seq], [1]))[1] is not None for _ in range(4)]
+    drafted = [s.propose(ScheduledBatch("decode_loop", [seq], [1]))[1] is not None for _ in range(4)]
     assert drafted[0] is False and True in drafted, drafted
     bad = Speculator(NgramConfig(k=3, auto_disable=True), max_model_len=128, max_num_batched_tokens=64)
     bad.draft_fn = s.draft_fn
@@ -386,7 +391,7 @@ def test_estimates_start_optimistic_and_forget_stale_values() -> None:
     bad.record_step(1, False, 0.010)
     for _ in range(40):  # every sequence's drafts fail: the population's mean stays low, drafting stays off
         bad.record_acceptance(seq, 3, 0, 1, None)
-    assert [bad.propose(ScheduledBatch(False, [seq], [1]))[1] for _ in range(8)] == [None] * 8
+    assert [bad.propose(ScheduledBatch("decode_loop", [seq], [1]))[1] for _ in range(8)] == [None] * 8
 
 def test_plain_step_is_lone_only_when_these_sequences_dip() -> None:
     """A disabled step while drafting still pays for the population (these sequences dipped) decodes one
@@ -402,17 +407,17 @@ def test_plain_step_is_lone_only_when_these_sequences_dip() -> None:
         s.record_acceptance(good, 3, 2, 3, None)
     for _ in range(10):  # this sequence's estimate falls to ~1.2; the population's mean stays ~2.2
         s.record_acceptance(dip, 3, 0, 1, None)
-    run, drafts = s.propose(ScheduledBatch(False, [dip], [8]))
+    run, drafts = s.propose(ScheduledBatch("decode_loop", [dip], [8]))
     assert drafts is None and run.num_new_tokens == [1]
     s.record_step(1, False, 5.0)  # the lone step's time (host overhead and all) is not plain decoding's
     assert s._seconds[(False, 1)] == pytest.approx(0.010)
     s._steps_since_probe = s._probe_every - 1  # the next decision re-measures plain decoding: a short call
-    run, drafts = s.propose(ScheduledBatch(False, [good], [8]))
+    run, drafts = s.propose(ScheduledBatch("decode_loop", [good], [8]))
     assert drafts is None and run.num_new_tokens == [PROBE_STEPS]
     s.record_step(1, False, 0.010 * PROBE_STEPS, num_steps=PROBE_STEPS)
     for _ in range(60):  # now every sequence's drafts fail: plain decoding wins for the population
         s.record_acceptance(good, 3, 0, 1, None)
-    run, drafts = s.propose(ScheduledBatch(False, [dip], [8]))
+    run, drafts = s.propose(ScheduledBatch("decode_loop", [dip], [8]))
     assert drafts is None and run.num_new_tokens == [8]
     s.record_step(1, False, 0.080, num_steps=8)
     assert s._seconds[(False, 1)] == pytest.approx(0.010)  # (the same 10 ms per step, now measured)

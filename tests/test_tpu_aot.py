@@ -41,7 +41,7 @@ def test_every_warmup_program_compiles_for_the_chip(aot, model: str, mesh: str, 
                                                      kernel: str) -> None:
     runner, _ = aot.compile_all(model, mesh, aot.SMALL, vocab_size=vocab)
     kinds = sorted((w.kind, w.program.name) for w in runner.warmup_programs)
-    assert kinds == [("decode", "chunk"), ("prefill", "step")]  # every program of this runner's warmup()
+    assert kinds == [("decode_loop", "chunk"), ("ragged", "step")]  # every program of this runner's warmup()
     status = runner.backend.status()
     assert status.attention == "tpu_ragged" and kernel in status.attention_kernel
     topology, (data, _) = aot.parse_mesh(mesh)

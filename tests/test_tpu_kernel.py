@@ -21,10 +21,10 @@ from flax import nnx
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
 
 from rollout import Engine, SamplingParams
-from runner.attention import AttentionMetadata, paged_attention, write_kv
+from runner.attention import AttentionKernel, AttentionMetadata, paged_attention
 from runner.models.gemma import GemmaForCausalLM
 from runner.spec_decode.ngram import NgramConfig
-from runner.tpu_attention import TpuKernelShape
+from runner.tpu_attention import INTERPRET_BLOCKS, TpuRaggedAttention
 from test_engine import CFG, ENGINE_KW, ByteTokenizer, make_model, rand_prompt
 
 INTERPRETER_RUNS = tuple(int(p) for p in jax.__version__.split(".")[:3]) <= (0, 10, 0)
@@ -34,9 +34,10 @@ pytestmark = pytest.mark.skipif(not INTERPRETER_RUNS, reason=(
 
 
 def kernel_case(rng: np.random.Generator, q_lens: list[int], kv_lens: list[int], num_kv_heads: int, group: int,
-                head_dim: int, cache: TpuKernelShape, num_pages: int = 24, page: int = 16
+                head_dim: int, kernel: TpuRaggedAttention, num_pages: int = 24, page: int = 16
                 ) -> tuple[jax.Array, jax.Array, AttentionMetadata, jax.Array, jax.Array]:
-    """Queries and a cache in the kernel's (padded) layout filled through `write_kv`, and the unpadded K/V."""
+    """Queries and a cache in the kernel's (padded) layout filled through its layout's write, and the unpadded K/V."""
+    cache = kernel.shape
     width = -(-max(kv_lens) // page)
     tables = rng.permutation(num_pages)[:len(q_lens) * width].reshape(len(q_lens), width).astype(np.int32)
     tokens = sum(kv_lens)
@@ -44,14 +45,13 @@ def kernel_case(rng: np.random.Generator, q_lens: list[int], kv_lens: list[int],
     v = jnp.asarray(rng.standard_normal((tokens, num_kv_heads, head_dim)), jnp.float32)
     slots = np.concatenate([tables[s, np.arange(n) // page] * page + np.arange(n) % page
                             for s, n in enumerate(kv_lens)]).astype(np.int32)
-    kv = write_kv(jnp.zeros((num_pages, page, 2 * cache.padded_kv_heads, cache.padded_head_dim), jnp.float32),
-                  k, v, jnp.asarray(slots))
+    kv = kernel.layout.write(jnp.zeros((num_pages, page, 2 * cache.padded_kv_heads, cache.padded_head_dim), jnp.float32),
+                             k, v, jnp.asarray(slots))
     queries = jnp.asarray(rng.standard_normal((sum(q_lens), num_kv_heads * group, head_dim)), jnp.float32)
     md = AttentionMetadata(slot_mapping=jnp.zeros(sum(q_lens), jnp.int32), kv_lens=jnp.asarray(kv_lens, jnp.int32),
                            page_indices=jnp.asarray(tables),
                            cu_q_lens=jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32),
-                           num_seqs=jnp.asarray([len(q_lens)], jnp.int32), max_q_len=max(q_lens),
-                           impl="tpu_ragged_interpret")
+                           num_seqs=jnp.asarray([len(q_lens)], jnp.int32), max_q_len=max(q_lens), kernel=kernel)
     return queries, kv, md, k, v
 
 
@@ -63,18 +63,19 @@ def test_the_kernel_equals_its_reference(heads: tuple[int, int], head_dim: int, 
     """A prefill from scratch, a chunked prefill and two decodes in one ragged step; the model's heads
     (2 KV x 3, head_dim 128) or zero-padded ones (SmolLM2's 3 KV heads and head_dim 64; head_dim 32)."""
     num_kv_heads, group = heads
-    cache = TpuKernelShape.for_model(num_kv_heads * group, num_kv_heads, head_dim, "float32")
-    assert cache.padded == ((num_kv_heads, head_dim) != (2, 128))
+    kernel = TpuRaggedAttention.for_model(num_kv_heads * group, num_kv_heads, head_dim, "float32", INTERPRET_BLOCKS,
+                                          interpret=True)
+    assert kernel.shape.padded == ((num_kv_heads, head_dim) != (2, 128))
     q_lens, kv_lens = [9, 5, 1, 1], [9, 40, 17, 33]
-    queries, kv, md, k, v = kernel_case(np.random.default_rng(1), q_lens, kv_lens, num_kv_heads, group, head_dim, cache)
-    got = paged_attention(queries, kv, md, sm_scale=head_dim ** -0.5, sliding_window=window, soft_cap=soft_cap,
-                          num_kv_heads=num_kv_heads)
+    queries, kv, md, k, v = kernel_case(np.random.default_rng(1), q_lens, kv_lens, num_kv_heads, group, head_dim, kernel)
+    got = paged_attention(queries, kv, md, sm_scale=head_dim ** -0.5, sliding_window=window, soft_cap=soft_cap)
     unpadded = kv[:, :, :2 * num_kv_heads, :head_dim]
     want = ref_ragged_paged_attention(queries, unpadded, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
                                       sm_scale=head_dim ** -0.5, sliding_window=window, soft_cap=soft_cap)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6)
-    jax_path = paged_attention(queries, kv, dataclasses.replace(md, impl="tpu_ragged_jax"), sm_scale=head_dim ** -0.5,
-                               sliding_window=window, soft_cap=soft_cap, num_kv_heads=num_kv_heads)
+    reference = AttentionKernel(kernel.layout)  # the pure-JAX path over the same (padded) cache
+    jax_path = paged_attention(queries, kv, dataclasses.replace(md, kernel=reference), sm_scale=head_dim ** -0.5,
+                               sliding_window=window, soft_cap=soft_cap)
     np.testing.assert_allclose(np.asarray(jax_path), np.asarray(want), atol=2e-6)
 
 

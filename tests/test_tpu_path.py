@@ -23,12 +23,15 @@ import pytest
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
 
 from rollout import Engine, SamplingParams
-from runner.attention import AttentionMetadata, paged_attention, write_kv
+from runner.attention import AttentionKernel, AttentionMetadata, paged_attention
 from runner.backends import TpuBackend, auto_attention_impl
+from runner.kv_cache import KVCacheSpec
+from runner.kv_layout import FusedKVLayout
 from runner.tpu_attention import BLOCK_SIZES, TpuKernelShape, block_sizes_for
 from test_engine import ENGINE_KW, ByteTokenizer, make_model, rand_prompt
 
 HKV, GROUP, D, PAGE, NUM_PAGES = 2, 3, 8, 4, 40
+LAYOUT = FusedKVLayout.unpadded(HKV, D)  # the TPU kernel's layout at this file's heads
 
 
 def tpu_case(seed: int, q_lens: list[int], kv_lens: list[int], width: int, num_rows: int
@@ -43,7 +46,7 @@ def tpu_case(seed: int, q_lens: list[int], kv_lens: list[int], width: int, num_r
         slot_mapping=jnp.zeros(sum(q_lens), jnp.int32), kv_lens=jnp.asarray(kv_lens + [0] * pad, jnp.int32),
         page_indices=jnp.asarray(tables), cu_q_lens=jnp.asarray(np.concatenate([[0], np.cumsum(q_lens), [sum(q_lens)] * pad]),
                                                                   jnp.int32),
-        num_seqs=jnp.asarray([len(q_lens)], jnp.int32), max_q_len=max(q_lens), impl="tpu_ragged_jax")
+        num_seqs=jnp.asarray([len(q_lens)], jnp.int32), max_q_len=max(q_lens), kernel=AttentionKernel(LAYOUT))
     return queries, kv, md
 
 
@@ -71,7 +74,7 @@ def test_write_kv_puts_k_and_v_where_the_kernel_reads_them() -> None:
     k = jnp.asarray(rng.standard_normal((3, HKV, D)), jnp.float32)
     v = jnp.asarray(rng.standard_normal((3, HKV, D)), jnp.float32)
     slots = jnp.asarray([5 * PAGE + 2, 7 * PAGE, NUM_PAGES * PAGE + 1], jnp.int32)  # the last is out of range
-    out = np.asarray(write_kv(kv, k, v, slots))
+    out = np.asarray(LAYOUT.write(kv, k, v, slots))
     for t, (page, offset) in enumerate([(5, 2), (7, 0)]):
         np.testing.assert_array_equal(out[page, offset, 0::2], np.asarray(k[t]))  # K of head h at 2h
         np.testing.assert_array_equal(out[page, offset, 1::2], np.asarray(v[t]))  # V at 2h + 1
@@ -98,13 +101,14 @@ def test_the_kernel_shape_each_model_runs_at(name: str, heads: tuple[int, int], 
     assert shape.padded == (padded != (*heads, head_dim))
     backend = TpuBackend("tpu_ragged", on_tpu=False, device_kind="TPU v5 lite")
     replicas, pages, page = 2, 40, 16
-    got = backend.kv_cache_shape((replicas, 2, heads[1], pages, page, head_dim), dtype, heads[0])
+    spec = KVCacheSpec(1, replicas * pages, page, heads[1], head_dim, dtype, num_replicas=replicas)
+    got = backend.attention_for(heads[0], heads[1], head_dim, dtype).layout.cache_shape(spec)
     assert got == (replicas, pages, page, 2 * padded[1], padded[2])
     assert backend.blocks == BLOCK_SIZES["TPU v5 lite"] and "TPU v5 lite" in backend.status().attention_kernel
     reference = TpuBackend("tpu_ragged_jax", on_tpu=False)  # the pure-JAX path reads the model's own layout
-    assert reference.kv_cache_shape((replicas, 2, heads[1], pages, page, head_dim), dtype, heads[0]) == (
+    assert reference.attention_for(heads[0], heads[1], head_dim, dtype).layout.cache_shape(spec) == (
         replicas, pages, page, 2 * heads[1], head_dim)
-    assert reference.status().attention_kernel == ""
+    assert "padded" not in reference.status().attention_kernel  # (no kernel shapes: "pure JAX for every step")
 
 
 def test_the_tpu_backend_picks_the_kernel_and_block_sizes_per_chip() -> None:

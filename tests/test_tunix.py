@@ -27,7 +27,7 @@ from tunix.rl.rollout import base_rollout  # noqa: E402
 
 from rollout.integrations.tunix import JaxRollout  # noqa: E402
 from rollout.integrations.tunix_models import engine_model  # noqa: E402
-from runner.compile_counter import num_compilations  # noqa: E402
+from weight_sync.compiles import num_compilations  # noqa: E402
 
 VOCAB, PAD, BOS, EOS = 96, 0, 1, 2
 

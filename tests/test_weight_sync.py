@@ -14,6 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import weight_sync as ws
 from runner.models.config import ModelConfig
 from runner.models.llama import LlamaForCausalLM
+from runner.models.registry import config_from_hf
 
 FAMILIES = {
     "llama": dict(),
@@ -110,7 +111,7 @@ def test_hf_names_match_transformers(family: str, tie: bool) -> None:
             if name.endswith("norm.weight") or name.endswith(".bias"):
                 p.add_(torch.randn_like(p) * 0.05)
     sd = {k: v.detach().numpy() for k, v in hf_model.state_dict().items()}
-    cfg = ModelConfig.from_hf_dict(hf_cfg.to_dict())
+    cfg = config_from_hf(hf_cfg.to_dict())
     engine = make_model(cfg)
     ours = set(to_hf(engine))
     assert set(sd) - {"lm_head.weight"} == ours - {"lm_head.weight"}

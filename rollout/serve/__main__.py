@@ -5,6 +5,11 @@ from __future__ import annotations
 import argparse
 import os
 
+import uvicorn
+
+from rollout.engine import Engine
+from rollout.serve.app import build_app
+
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m rollout.serve", description=__doc__)
@@ -21,12 +26,6 @@ def main(argv: list[str] | None = None) -> None:
                         help="bearer token that /update_weights requires (default $ROLLOUT_WEIGHTS_TOKEN; unset: disabled)")
     parser.add_argument("--no-warmup", action="store_true", help="compile step programs on first use instead")
     args = parser.parse_args(argv)
-
-    import uvicorn
-
-    from rollout.engine import Engine
-    from rollout.serve.app import build_app
-
     engine = Engine.from_pretrained(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
     if not args.no_warmup:

@@ -1,5 +1,5 @@
 """Kernel backends, one per platform, behind `runner.backends.base.Backend`; `select_backend` picks one
-per engine from its config. The CPU backend's C++ kernels are imported only when it is chosen.
+per engine from its config. The CPU backend's C++ kernels are built only when first used.
 
 | backend | matmul | attention ("auto") |
 | --- | --- | --- |
@@ -14,12 +14,16 @@ every step runs that kernel ("tpu_ragged"), elsewhere its pure-JAX reference ("t
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from runner.attention import ATTENTION_IMPLS
-from runner.backends.base import Backend, ModuleT
+from runner.backends.attention_kernels import ATTENTION_IMPLS
+from runner.backends.base import Backend, BackendStatus, ModuleT
+from runner.backends.cpu.attention import load as load_cpu_attention
+from runner.backends.cpu.backend import CpuBackend
 from runner.tpu_attention import block_sizes_for
 
 BACKENDS = ("auto", "reference", "cpu", "gpu", "tpu")
@@ -43,15 +47,11 @@ class TpuBackend(Backend):
         self.device_kind = device_kind
         self.blocks = block_sizes_for(device_kind)  # the ragged kernel's tiling on this chip generation
 
-    def metadata_fields(self) -> dict[str, object]:
-        return {**super().metadata_fields(), "tpu_blocks": self.blocks}
-
-    def kernel_status(self) -> str:
-        status = super().kernel_status()
-        if not status:
+    def status(self) -> BackendStatus:
+        status = super().status()
+        if not self.attention_impl.startswith("tpu_ragged") or self.attention_impl == "tpu_ragged_jax":
             return status
-        return (f"{status}; blocks of {self.blocks.kv_tokens} KV tokens x {self.blocks.queries} queries "
-                f"({self.device_kind})")
+        return dataclasses.replace(status, attention_kernel=f"{status.attention_kernel} ({self.device_kind})")
 
     @property
     def min_buckets(self) -> tuple[int, int]:
@@ -83,9 +83,7 @@ def auto_attention_impl(backend: str, platform: str, model_axis: int, cache_dtyp
     if model_axis != 1:
         return "jax"
     if platform == "cpu" and num_devices == 1 and jnp.dtype(cache_dtype) in (jnp.float32, jnp.bfloat16):
-        from runner.backends.cpu.attention import load
-
-        return "cpu_kernel" if load().available else "jax"
+        return "cpu_kernel" if load_cpu_attention().available else "jax"
     if platform == "gpu":
         return "pallas_gpu"
     return "jax"
@@ -93,7 +91,7 @@ def auto_attention_impl(backend: str, platform: str, model_axis: int, cache_dtyp
 
 def select_backend(name: str, mesh: Mesh, *, dtype: str, param_dtype: str, cache_dtype: str,
                    attention_backend: str = "auto", cpu_row_kernel: bool = True, cpu_amx: bool = True,
-                   cpu_amx_from_rows: int = 41, batch_invariant: bool = False) -> Backend:
+                   cpu_amx_from_rows: int = 41, cpu_bf16_matmul: bool = True, batch_invariant: bool = False) -> Backend:
     """The backend `name` ("auto": the mesh's platform) with its attention impl chosen. `batch_invariant`:
     kernels that sum every row alike whatever shares the step (the CPU backend's; raises elsewhere)."""
     if name not in BACKENDS:
@@ -113,18 +111,15 @@ def select_backend(name: str, mesh: Mesh, *, dtype: str, param_dtype: str, cache
         on = platform if requested == "tpu" else kind
         attention = auto_attention_impl(requested, on, mesh.shape["model"], cache_dtype, mesh.size)
     if batch_invariant and requested == "auto" and kind == "cpu" and mesh.size > 1 and mesh.shape["model"] == 1:
-        from runner.backends.cpu.attention import load  # data parallel: each device runs it on its replica
-
-        attention = "cpu_kernel" if load().available else attention
+        # data parallel: each device runs the C++ kernel on its replica
+        attention = "cpu_kernel" if load_cpu_attention().available else attention
     if attention not in ("jax", "tpu_ragged_jax") and mesh.shape["model"] > 1:
         raise ValueError(f"attention impl {attention!r} runs unpartitioned: it needs a mesh whose 'model' axis "
                          f"is 1, got {mesh.shape['model']} (use 'jax')")
     if kind == "cpu":
-        from runner.backends.cpu.backend import CpuBackend  # the C++ kernels: only on this path
-
         return CpuBackend(mesh, dtype=dtype, param_dtype=param_dtype, attention_impl=attention,
                           row_kernel=cpu_row_kernel, use_amx=cpu_amx, amx_from_rows=cpu_amx_from_rows,
-                          batch_invariant=batch_invariant)
+                          bf16_matmul=cpu_bf16_matmul, batch_invariant=batch_invariant)
     if kind == "gpu":
         return GpuBackend(attention)
     if kind == "tpu":

@@ -1,9 +1,11 @@
-"""`Backend`: the kernel choices of one engine behind one boundary (matmul, attention, KV cache layout,
-parameter packing, status), chosen once per engine (`runner.backends.select_backend`).
+"""`Backend`: the kernel choices of one engine behind one boundary (matmul, the attention callable and its
+KV layout, parameter packing, the embedding read, status), chosen once per engine
+(`runner.backends.select_backend`).
 
 The model code calls what the backend put into it (a `Matmul` in every `Linear`, one for the tied
-output projection) and never tests platforms; the default everywhere is XLA's own dot (`XlaMatmul`),
-which is also the reference backend's.
+output projection, an `EmbeddingRows` reader; the `AttentionKernel` in every step's metadata) and never
+tests platforms; the default everywhere is XLA's own dot (`XlaMatmul`) and the pure-JAX attention, which
+are also the reference backend's.
 """
 
 from __future__ import annotations
@@ -13,16 +15,14 @@ from typing import Protocol, TypeVar
 
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
-from runner.tpu_attention import TpuKernelShape
+from runner.attention import AttentionKernel
+from runner.backends.attention_kernels import attention_kernel
+from runner.models.embedding import embedding_rows
+from runner.tpu_attention import INTERPRET_BLOCKS, BlockSizes
 
 ModuleT = TypeVar("ModuleT", bound=nnx.Module)
-
-# impls whose KV cache is laid out for JAX's TPU `ragged_paged_attention` kernel: `[P, page, 2 * Hkv, D]`
-TPU_LAYOUT_IMPLS = ("tpu_ragged", "tpu_ragged_interpret", "tpu_ragged_jax")
-TPU_KERNEL_IMPLS = ("tpu_ragged", "tpu_ragged_interpret")  # of those, the ones that run the kernel
-
 
 class PackedKernel(nnx.Variable):
     """A weight laid out for a backend's matmul (derived from the `Param`: never trained or synced,
@@ -50,6 +50,24 @@ XLA_MATMUL = XlaMatmul()
 XLA_MATMUL_NT = XlaMatmul(transposed=True)
 
 
+class EmbeddingRows(Protocol):
+    """The embedding rows of `ids`, given the table and the tied head's packed copy, if any."""
+
+    def __call__(self, table: Float[Array, "V H"], packed: Array | None, ids: Int[Array, "..."]) -> Array:
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class TableRows:
+    """`table[ids]` (`runner.models.embedding.embedding_rows`: a bfloat16 table gathered in its own bits)."""
+
+    def __call__(self, table: Float[Array, "V H"], packed: Array | None, ids: Int[Array, "..."]) -> Array:
+        return embedding_rows(table, ids)
+
+
+TABLE_ROWS = TableRows()
+
+
 @dataclasses.dataclass(frozen=True)
 class BackendStatus:
     """What `Engine.stats()` reports of the backend: its name and, per kernel choice, "ok" or why not."""
@@ -57,10 +75,11 @@ class BackendStatus:
     name: str
     matmul: str  # the few-row matmul kernel ("ok", or why XLA's dot runs)
     amx: str  # the AMX matmul ("ok", or why not)
-    attention: str  # the attention impl of paged steps (one of `runner.attention.ATTENTION_IMPLS`)
+    attention: str  # the attention impl (one of `runner.backends.attention_kernels.ATTENTION_IMPLS`)
     bf16_matmul: str = "off"  # a bfloat16 model's matmul kernel ("ok: ..." and which, or why XLA's dot)
     batch_invariant: str = "off"  # "on: ..." (what sums each row alike) or "off"
-    # the TPU ragged kernel's shapes (the model's heads, or zero-padded ones) and block sizes; "" without it
+    # which steps the attention kernel serves and why; the TPU ragged kernel's shapes (the model's heads, or
+    # zero-padded ones) and block sizes
     attention_kernel: str = ""
 
 
@@ -68,10 +87,19 @@ class Backend:
     """The reference backend: pure JAX everywhere, the oracle of every other backend."""
 
     name = "reference"
+    kv_bits = False  # a bfloat16 cache in the engine's layout held as uint16 bits (`runner.kv_layout`)
+    blocks: BlockSizes = INTERPRET_BLOCKS  # the TPU ragged kernel's tiling, where it runs
 
     def __init__(self, attention_impl: str = "jax") -> None:
         self.attention_impl = attention_impl
-        self.tpu_kernel: TpuKernelShape | None = None  # set by `kv_cache_shape` for the TPU ragged kernel's impls
+        self.attention: AttentionKernel | None = None  # made for the model's heads (`attention_for`)
+
+    def attention_for(self, num_q_heads: int, num_kv_heads: int, head_dim: int, cache_dtype: str) -> AttentionKernel:
+        """The attention callable (with its KV layout) every step of this engine carries, for a model's heads."""
+        self.attention = attention_kernel(self.attention_impl, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                                          head_dim=head_dim, cache_dtype=cache_dtype, bits=self.kv_bits,
+                                          blocks=self.blocks)
+        return self.attention
 
     def prepare(self, module: ModuleT, *, pack: bool = True) -> ModuleT:
         """A copy of `module` (a model or draft head; sharing its arrays) with this backend's kernels wired
@@ -84,6 +112,7 @@ class Backend:
                 sub.matmul, sub.packed = XLA_MATMUL, nnx.data(None)
             elif hasattr(sub, "head_matmul"):
                 sub.head_matmul, sub.packed_head = XLA_MATMUL_NT, nnx.data(None)
+                sub.embedding_rows = TABLE_ROWS
             elif hasattr(sub, "grouped_matmul"):  # a mixture of experts
                 sub.grouped_matmul = "ragged_dot"
             elif hasattr(sub, "fixed_order"):  # a norm: XLA's reduce
@@ -105,34 +134,10 @@ class Backend:
         ~3x faster than an 8-row one)."""
         return 1, 32
 
-    def kv_cache_dtype(self, dtype: str) -> str:
-        """The dtype a KV cache of `dtype` values is stored in (the CPU backend keeps bfloat16 as its bits)."""
-        return dtype
-
-    def kv_cache_shape(self, shape: tuple[int, ...], dtype: str, num_q_heads: int) -> tuple[int, ...]:
-        """One layer's KV cache shape in this backend's layout, from the engine's
-        `[replicas, 2, kv_heads, pages, page_size, head_dim]`: kept, except for the TPU ragged kernel's
-        impls (`TPU_LAYOUT_IMPLS`): `[replicas, pages, page_size, 2 * kv_heads, head_dim]`, with the heads
-        and head_dim zero-padded to what the kernel tiles when it runs (`runner.tpu_attention.TpuKernelShape`)."""
-        if self.attention_impl in TPU_LAYOUT_IMPLS:
-            replicas, _, kv_heads, pages, page_size, head_dim = shape
-            if self.attention_impl in TPU_KERNEL_IMPLS:
-                self.tpu_kernel = TpuKernelShape.for_model(num_q_heads, kv_heads, head_dim, dtype)
-                kv_heads, head_dim = self.tpu_kernel.padded_kv_heads, self.tpu_kernel.padded_head_dim
-            return (replicas, pages, page_size, 2 * kv_heads, head_dim)
-        return shape
-
-    def metadata_fields(self) -> dict[str, object]:
-        """The static `AttentionMetadata` fields every step of this backend carries (its attention impl)."""
-        return {"impl": self.attention_impl}
-
     def status(self) -> BackendStatus:
         return BackendStatus(self.name, matmul="XLA's dot", amx="off", attention=self.attention_impl,
-                             attention_kernel=self.kernel_status())
+                             attention_kernel=self.attention_status())
 
-    def kernel_status(self) -> str:
-        """What `stats()` says of the TPU ragged kernel's shapes, "" where it does not run."""
-        if self.tpu_kernel is None:
-            return ""
-        return f"{self.attention_impl}: {self.tpu_kernel.describe()}"
-
+    def attention_status(self) -> str:
+        """Which steps the attention kernel serves (`AttentionKernel.describe`), "" before it is made."""
+        return "" if self.attention is None else self.attention.describe()

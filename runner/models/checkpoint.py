@@ -1,12 +1,13 @@
 """Reading checkpoints (Hugging Face safetensors directories and GGUF files) into Hugging Face names.
 
-`read_checkpoint(path)` returns a `Checkpoint`: the Hugging Face `config.json` contents (or an
+A `Checkpoint` (`runner.models.loader.read_checkpoint(path)` reads one) holds the Hugging Face `config.json` contents (or an
 equivalent dict built from GGUF metadata) and every weight as a numpy array under its Hugging Face
 `state_dict` name, in PyTorch `[out, in]` layout (`model.layers.0.self_attn.q_proj.weight`). Safetensors
 weights are memory-mapped in the file's dtype (read only where sliced, so a sharded load reads each
 device's part only); GGUF matrices are `GGUFTensor`s that de-quantize to float32 only the rows a reader
 slices (a sharded load converts each device's part; `np.asarray` converts a whole tensor).
-GGUF files are read by `runner.models.gguf_checkpoint`.
+This module reads Hugging Face directories and validates any checkpoint; GGUF files are read by
+`runner.models.gguf_checkpoint`.
 """
 
 from __future__ import annotations
@@ -21,9 +22,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from runner.models.config import ModelConfig
 from runner.models.gguf_tensor import GGUFTensor
-from runner.models.registry import get_family
+from runner.models.registry import config_from_hf, get_family
 from runner.models.torch_checkpoint import read_torch_state_dict
 
 
@@ -49,31 +49,13 @@ class Checkpoint:
     path: str
 
 
-def read_checkpoint(path: str) -> Checkpoint:
-    """Read a Hugging Face directory (`config.json` + safetensors) or a `.gguf` file."""
-    from runner.models.gguf_checkpoint import is_gguf, read_gguf  # that module builds on this one
-    path = os.fspath(path)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"checkpoint path does not exist: {path}")
-    if os.path.isdir(path):
-        ckpt = _read_hf_dir(path)
-    elif is_gguf(path):
-        ckpt = read_gguf(path)
-    else:
-        raise ValueError(
-            f"{path}: not a checkpoint; expected a Hugging Face directory (config.json + *.safetensors) "
-            f"or a .gguf file")
-    validate_tensors(ckpt.hf_config, ckpt.tensors, path)
-    return ckpt
-
-
 # ---------------------------------------------------------------------------------------------
 # Validation shared by both formats
 
 
 def expected_shapes(hf_config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     """Every tensor a model of this config needs (any registered family), with its PyTorch shape."""
-    cfg = ModelConfig.from_hf_dict(hf_config)
+    cfg = config_from_hf(hf_config)
     family = get_family(cfg.family)
     h, i, v, d = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
@@ -138,10 +120,6 @@ def dominant_dtype(tensor_dtypes: Mapping[str, str], tensors: Mapping[str, np.nd
 
 # ---------------------------------------------------------------------------------------------
 # Hugging Face directories
-
-
-def _read_hf_dir(path: str) -> Checkpoint:
-    return read_hf_dir(path)
 
 
 def read_hf_dir(path: str) -> Checkpoint:

@@ -92,9 +92,6 @@ class ModelConfig:
     head_layout: HeadLayout | None = None
 
     def __post_init__(self) -> None:
-        from runner.models.registry import get_family  # the registry imports this module
-
-        get_family(self.family)  # an unknown family raises, naming the supported ones
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim"):
             if getattr(self, name) <= 0:
@@ -117,54 +114,15 @@ class ModelConfig:
             if getattr(self, name) not in SUPPORTED_DTYPES:
                 raise ValueError(f"{name} must be one of {SUPPORTED_DTYPES}, got {getattr(self, name)!r}")
 
-    @property
-    def num_queries_per_kv(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
-
     def with_dtype(self, dtype: str, param_dtype: str | None = None) -> "ModelConfig":
         return dataclasses.replace(self, dtype=dtype, param_dtype=param_dtype or dtype)
 
-    @classmethod
-    def from_hf_dict(cls, hf: Mapping[str, object], *, dtype: str = "float32") -> "ModelConfig":
-        """Build from the contents of a Hugging Face `config.json`."""
-        from runner.models.registry import family_for_hf  # the registry imports this module
-
-        family = family_for_hf(hf)
-        try:
-            hidden = int(hf["hidden_size"])
-            n_heads = int(hf["num_attention_heads"])
-            layers = int(hf["num_hidden_layers"])
-            vocab = int(hf["vocab_size"])
-            inter = int(hf["intermediate_size"])
-        except KeyError as e:
-            raise ValueError(f"config.json lacks required field {e.args[0]!r}") from None
-        if n_heads <= 0 or hidden % n_heads and hf.get("head_dim") is None:
-            raise ValueError(f"hidden_size ({hidden}) is not divisible by num_attention_heads ({n_heads})")
-        head_dim = int(hf.get("head_dim") or hidden // n_heads)
-        rope_params = hf.get("rope_parameters") or {}
-        rope_theta = float(hf.get("rope_theta") or rope_params.get("rope_theta") or 10000.0)
-        rope_scaling = RopeScaling.from_hf(hf.get("rope_scaling") or rope_params)
-        eos = hf.get("eos_token_id")
-        eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
-        fields: dict[str, object] = dict(
-            family=family.name,
-            vocab_size=vocab,
-            hidden_size=hidden,
-            intermediate_size=inter,
-            num_hidden_layers=layers,
-            num_attention_heads=n_heads,
-            num_key_value_heads=int(hf.get("num_key_value_heads") or n_heads),
-            head_dim=head_dim,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            mlp_bias=bool(hf.get("mlp_bias", False)),
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            param_dtype=dtype,
-            dtype=dtype,
-        )
-        fields.update(family.config_fields(hf))  # qkv_bias, o_bias, qk_norm, ...; may override the above
-        return cls(**fields)
+    def stored_for(self, model_axis: int) -> "ModelConfig":
+        """This config with the head counts the engine stores on a `model_axis`-way tensor-parallel mesh; its
+        `head_layout` maps them to the checkpoint's heads (itself while they are the checkpoint's own)."""
+        layout = HeadLayout.for_axis(self.num_attention_heads, self.num_key_value_heads, self.head_dim, model_axis)
+        if layout.is_identity:
+            return self
+        full = layout if self.head_layout is None else self.head_layout.then(layout)
+        return dataclasses.replace(self, num_attention_heads=len(layout.q_heads),
+                                   num_key_value_heads=len(layout.kv_heads), head_layout=full)

@@ -1,12 +1,12 @@
 """Embedding rows by token id, for the model families: a gather that stays in the table's own bits
-(XLA:CPU gathers a bfloat16 table through a float32 copy of all of it) and the same rows read from a
-backend's packed copy of a tied embedding."""
+(XLA:CPU gathers a bfloat16 table through a float32 copy of all of it). A backend may read them from its
+packed copy of a tied embedding instead (`runner.backends.base.EmbeddingRows`)."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, BFloat16, Float, Int, UInt16
+from jaxtyping import Array, Float, Int
 
 
 def embedding_rows(table: Float[Array, "V H"], ids: Int[Array, "..."]) -> Float[Array, "... H"]:
@@ -31,10 +31,3 @@ def _bf16_rows_backward(res: tuple[Array, Array], g: Array) -> tuple[Array, None
 
 
 _bf16_rows.defvjp(_bf16_rows_forward, _bf16_rows_backward)
-
-
-def packed_embedding_rows(packed: UInt16[Array, "V/16 H/32 1 16 16 2"], ids: Int[Array, "..."]) -> BFloat16[Array, "... H"]:
-    """Rows `ids` of the bfloat16 table `E` [V, H] whose transpose was packed one-part for AMX / AVX512_BF16
-    (packed[nb, kb, 0, i, c, j] = E[16 nb + c, 32 kb + 2 i + j]): a gather of uint16 bits, no conversion."""
-    rows = packed[ids // 16, :, 0, :, ids % 16, :]  # [..., H/32, 16, 2]
-    return jax.lax.bitcast_convert_type(rows.reshape(*ids.shape, -1), jnp.bfloat16)

@@ -17,10 +17,10 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from runner.attention import AttentionMetadata
+from runner.kv_cache import KVCaches
 from runner.models.config import ModelConfig
 from weight_sync.rules import Rule, Split, match, substitute
 
-KVCaches = tuple[Float[Array, "2 Hkv P page D"], ...]  # one paged cache per layer
 ShardingRules = tuple[tuple[str, tuple[str | None, ...]], ...]  # (regex over the dotted path, logical axes)
 _T = (1, 0)
 
@@ -80,6 +80,15 @@ class AttentionSpec:
     sliding_window: int | None = None  # attend to at most this many most recent positions
     logit_soft_cap: float | None = None  # scores -> cap * tanh(scores / cap)
 
+    @classmethod
+    def of_layer(cls, cfg: ModelConfig, layer: int) -> "AttentionSpec":
+        """Layer `layer`'s spec from the config fields a family sets (`ModelFamily.config_fields`): scale
+        `query_pre_attn_scalar ** -0.5` (Gemma) else `head_dim ** -0.5`, a window on `sliding_layers`,
+        `attn_logit_softcap`."""
+        return cls(scale=(cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5,
+                   sliding_window=cfg.sliding_window if layer in cfg.sliding_layers else None,
+                   logit_soft_cap=cfg.attn_logit_softcap)
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelFamily:
@@ -91,7 +100,6 @@ class ModelFamily:
     names: tuple[NameEntry, ...]
     sharding_rules: ShardingRules  # first match wins; the last rule should catch every path
     config_fields: Callable[[Mapping[str, object]], dict[str, object]]  # family-specific ModelConfig fields
-    attention_spec: Callable[[ModelConfig, int], AttentionSpec]  # (config, layer index) -> spec
     buffers: Callable[[ModelConfig, nnx.State], nnx.State]  # non-parameter state (rotary tables) of a model
     ignored_hf: tuple[str, ...] = ()  # HF buffers some checkpoints carry that are recomputed, never loaded
     gguf_permuted: Mapping[str, str] = dataclasses.field(default_factory=dict)  # GGUF name -> head-count field
@@ -118,14 +126,6 @@ class ModelFamily:
 
     def is_ignored(self, name: str) -> bool:
         return any(match(p, name) is not None for p in self.ignored_hf)
-
-    def gguf_to_hf(self, name: str) -> str | None:
-        """The HF name of one GGUF tensor name, or None."""
-        for entry in self.names:
-            caps = None if entry.gguf is None else match(entry.gguf, name)
-            if caps is not None:
-                return substitute(entry.hf, caps)
-        return None
 
     def sync_rules(self, preset: str = "hf", num_experts: int = 0) -> tuple[Rule, ...]:
         """`weight_sync` rules from the name table: "hf" (a tied model's `lm_head.weight` dropped),

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from runner.models.config import ModelConfig, RopeScaling
-from runner.models.family import AttentionSpec, ModelFamily, NameEntry
+from runner.models.config import RopeScaling
+from runner.models.family import ModelFamily, NameEntry
 from runner.models.gemma import GemmaForCausalLM
 from runner.models.llama_family import LLAMA_SHARDING, ROTARY_BUFFERS, layer_inv_freq_buffers
 
@@ -79,15 +79,9 @@ def _gemma3_fields(hf: Mapping[str, object]) -> dict[str, object]:
     return fields
 
 
-def _attention_spec(cfg: ModelConfig, layer: int) -> AttentionSpec:
-    return AttentionSpec(scale=(cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5,
-                         sliding_window=cfg.sliding_window if layer in cfg.sliding_layers else None,
-                         logit_soft_cap=cfg.attn_logit_softcap)
-
-
 def _family(name: str, arch: str, fields: object) -> ModelFamily:
     return ModelFamily(name=name, architectures=(arch,), module=GemmaForCausalLM, names=GEMMA_NAMES,
-                       sharding_rules=LLAMA_SHARDING, config_fields=fields, attention_spec=_attention_spec,
+                       sharding_rules=LLAMA_SHARDING, config_fields=fields,
                        buffers=layer_inv_freq_buffers, ignored_hf=ROTARY_BUFFERS)
 
 

@@ -60,13 +60,6 @@ GGUF_TOKEN_KEYS: dict[str, str] = {
 }
 
 
-def is_gguf(path: str) -> bool:
-    if path.endswith(".gguf"):
-        return True
-    with open(path, "rb") as f:
-        return f.read(4) == b"GGUF"
-
-
 def supported_gguf_types() -> list[str]:
     """GGML tensor types `gguf.quants.dequantize` can turn into float32."""
     import gguf

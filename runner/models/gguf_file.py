@@ -79,6 +79,15 @@ class _Cursor:
         return self.take(_SCALARS[kind])
 
 
+def is_gguf(path: str) -> bool:
+    """Whether `path` is meant as a GGUF file: its name ends in `.gguf` or it starts with GGUF's magic
+    bytes (a damaged `.gguf` file then fails in `read_gguf_file` with what is wrong with it)."""
+    if path.endswith(".gguf"):
+        return True
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
 def read_gguf_file(path: str) -> GGUFFile:
     """The file's metadata fields and memory-mapped tensors (ValueError on a malformed file)."""
     import gguf

@@ -21,17 +21,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import TYPE_CHECKING
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jaxtyping import Array, Shaped
-
-if TYPE_CHECKING:
-    from runner.models.config import ModelConfig
-    from runner.models.llama import LlamaForCausalLM
 
 # (parameter path pattern, axis of the head columns, which heads): the parameters a layout expands
 EXPANDED_PARAMS: tuple[tuple[str, int, str], ...] = (
@@ -115,17 +108,6 @@ class HeadLayout:
         return None
 
 
-def stored_config(cfg: ModelConfig, model_axis: int) -> ModelConfig:
-    """`cfg` with the head counts the engine stores on a `model_axis`-way tensor-parallel mesh; its
-    `head_layout` maps them to the checkpoint's heads (None while they are the checkpoint's own)."""
-    layout = HeadLayout.for_axis(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, model_axis)
-    if layout.is_identity:
-        return cfg
-    full = layout if cfg.head_layout is None else cfg.head_layout.then(layout)
-    return dataclasses.replace(cfg, num_attention_heads=len(layout.q_heads), num_key_value_heads=len(layout.kv_heads),
-                               head_layout=full)
-
-
 def expand(x: Shaped[Array, "..."] | Shaped[np.ndarray, "..."], expansion: Expansion,
            ) -> Shaped[Array, "..."] | Shaped[np.ndarray, "..."]:
     """`x` with its head columns laid out by `expansion` (zeros where the index is -1); numpy in,
@@ -138,25 +120,3 @@ def expand(x: Shaped[Array, "..."] | Shaped[np.ndarray, "..."], expansion: Expan
     taken = xp.take(x, np.maximum(idx, 0), axis=axis)
     mask = (idx >= 0).reshape([-1 if a == axis % x.ndim else 1 for a in range(x.ndim)])
     return xp.where(mask, taken, xp.zeros((), x.dtype))
-
-
-def with_head_layout(model: LlamaForCausalLM, model_axis: int) -> LlamaForCausalLM:
-    """`model` itself when the mesh's `model` axis divides its heads, else an equivalent model whose
-    heads are padded / replicated for it (new arrays; `model` is untouched)."""
-    cfg = model.config
-    stored = stored_config(cfg, model_axis)
-    if stored is cfg:
-        return model
-    step = HeadLayout.for_axis(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, model_axis)
-    from runner.models.registry import build_model
-
-    graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: build_model(stored, rngs=nnx.Rngs(0))),
-                                       nnx.Param, ...)
-    _, source_params, source_rest = nnx.split(model, nnx.Param, ...)
-    source = {".".join(map(str, k)): v.value for k, v in nnx.to_flat_state(source_params)}
-    for key, var in nnx.to_flat_state(params):
-        path = ".".join(map(str, key))
-        rule = step.expansion(path)
-        var.value = expand(source[path], rule) if rule is not None else jnp.array(source[path], copy=True)
-    rest = jax.tree.map(lambda x: jnp.array(x, copy=True), source_rest)
-    return nnx.merge(graphdef, params, rest)

@@ -17,10 +17,9 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from runner.attention import AttentionMetadata, causal_attention, paged_attention, write_kv
-from runner.backends.base import XLA_MATMUL, XLA_MATMUL_NT, Matmul, PackedKernel
+from runner.attention import AttentionMetadata, causal_attention, paged_attention
+from runner.backends.base import TABLE_ROWS, XLA_MATMUL, XLA_MATMUL_NT, EmbeddingRows, Matmul, PackedKernel
 from runner.models.config import ModelConfig
-from runner.models.embedding import embedding_rows, packed_embedding_rows
 from runner.models.family import AttentionSpec, KVCaches
 from runner.models.moe import SparseMoE
 from runner.row_sum import mean_square
@@ -138,9 +137,9 @@ class Attention(nnx.Module):
     def paged(self, x: Float[Array, "T H"], positions: Int[Array, "T"], kv_pages: Float[Array, "2 Hkv P page D"],
               md: AttentionMetadata) -> tuple[Float[Array, "T H"], Float[Array, "2 Hkv P page D"]]:
         q, k, v = self.qkv(x, positions)
-        kv_pages = write_kv(kv_pages, k, v, md.slot_mapping)
+        kv_pages = md.kernel.write(kv_pages, k, v, md.slot_mapping)
         o = paged_attention(q, kv_pages, md, sm_scale=self.scale, sliding_window=self.sliding_window,
-                            soft_cap=self.soft_cap, num_kv_heads=self.num_kv_heads)
+                            soft_cap=self.soft_cap)
         return self.o_proj(o.reshape(x.shape[0], -1)), kv_pages
 
 
@@ -196,26 +195,23 @@ class LlamaForCausalLM(nnx.Module):
         self.config = cfg
         init = jax.nn.initializers.normal(stddev=0.02)
         self.embed_tokens = nnx.Param(init(rngs.params(), (cfg.vocab_size, cfg.hidden_size), _dtype(cfg.param_dtype)))
-        from runner.models.registry import get_family  # the registry imports this module
-
-        spec = get_family(cfg.family).attention_spec
-        self.layers = nnx.List([self.layer_class(cfg, rngs, spec(cfg, i), i) for i in range(cfg.num_hidden_layers)])
+        self.layers = nnx.List([self.layer_class(cfg, rngs, AttentionSpec.of_layer(cfg, i), i)
+                                for i in range(cfg.num_hidden_layers)])
         self.norm = self.norm_class(cfg.hidden_size, eps=cfg.rms_norm_eps, cfg=cfg)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
             cfg.hidden_size, cfg.vocab_size, bias=False, cfg=cfg, rngs=rngs)
         self.head_matmul: Matmul = XLA_MATMUL_NT  # the tied output projection's (`Backend.prepare`)
         self.packed_head: PackedKernel | None = nnx.data(None)  # the tied embedding laid out for `head_matmul`
+        self.embedding_rows: EmbeddingRows = TABLE_ROWS  # how rows are read (`Backend.prepare`)
 
     def embed(self, input_ids: Int[Array, "..."]) -> Float[Array, "... H"]:
         return self.embedding(input_ids).astype(_dtype(self.config.dtype))
 
     def embedding(self, input_ids: Int[Array, "..."]) -> Float[Array, "... H"]:
-        """The embedding rows of `input_ids`; where the tied head keeps a one-part packed copy (a bfloat16
-        table on the CPU backend), read from it: its uint16 bits need no conversion."""
-        packed = None if self.packed_head is None else self.packed_head[...]
-        if packed is None or packed.ndim != 6 or packed.shape[2] != 1:
-            return embedding_rows(self.embed_tokens[...], input_ids)
-        return packed_embedding_rows(packed, input_ids)
+        """The embedding rows of `input_ids`, read as the backend says (from the tied head's packed copy on the
+        CPU backend's bfloat16 models)."""
+        return self.embedding_rows(self.embed_tokens[...], None if self.packed_head is None else self.packed_head[...],
+                                   input_ids)
 
     def output_rows(self) -> Float[Array, "V H"]:
         """The output projection as one row per token id (the embedding when tied)."""

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from runner.models.config import ModelConfig
-from runner.models.family import AttentionSpec, ModelFamily, NameEntry, ShardingRules
+from runner.models.family import ModelFamily, NameEntry, ShardingRules
 from runner.models.llama import LlamaForCausalLM, rope_inv_freq
 
 _L = "model.layers.*"
@@ -113,11 +113,6 @@ def _mixtral_fields(hf: Mapping[str, object]) -> dict[str, object]:
             "moe_layers": tuple(range(int(hf["num_hidden_layers"]))) if experts else ()}
 
 
-def _attention_spec(cfg: ModelConfig, layer: int) -> AttentionSpec:
-    return AttentionSpec(scale=cfg.head_dim ** -0.5,
-                         sliding_window=cfg.sliding_window if layer in cfg.sliding_layers else None)
-
-
 def layer_inv_freq_buffers(cfg: ModelConfig, rest: nnx.State) -> nnx.State:
     """The non-parameter state of a model: each layer's rotary table (`layers.<i>.self_attn.inv_freq`)."""
     tables: dict[int, jax.Array] = {}
@@ -134,7 +129,7 @@ def layer_inv_freq_buffers(cfg: ModelConfig, rest: nnx.State) -> nnx.State:
 def _family(name: str, arch: str, fields: object, gguf_permuted: Mapping[str, str] | None = None,
             names: tuple[NameEntry, ...] = LLAMA_NAMES) -> ModelFamily:
     return ModelFamily(name=name, architectures=(arch,), module=LlamaForCausalLM, names=names,
-                       sharding_rules=LLAMA_SHARDING, config_fields=fields, attention_spec=_attention_spec,
+                       sharding_rules=LLAMA_SHARDING, config_fields=fields,
                        buffers=layer_inv_freq_buffers, ignored_hf=ROTARY_BUFFERS, gguf_permuted=gguf_permuted or {})
 
 

@@ -8,6 +8,7 @@ shape mismatches. `NameRule` / `map_hf_name` map other regex tables (the EAGLE-3
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 
 import jax
@@ -16,11 +17,14 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from runner.models.checkpoint import read_checkpoint
+from runner.models.checkpoint import Checkpoint, read_hf_dir, validate_tensors
 from runner.models.config import ModelConfig
-from runner.models.head_layout import Expansion, expand, stored_config
+from runner.models.default_model import default_model_path
 from runner.models.family import CausalLM
-from runner.models.registry import build_model, get_family
+from runner.models.gguf_checkpoint import read_gguf
+from runner.models.gguf_file import is_gguf
+from runner.models.head_layout import Expansion, expand
+from runner.models.registry import build_model, config_from_hf, get_family
 from runner.sharding import param_sharding
 
 
@@ -56,7 +60,7 @@ def model_from_hf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray], *, m
     (`runner.models.head_layout`): the model's config then says so.
     """
     if mesh is not None:
-        cfg = stored_config(cfg, mesh.shape["model"])
+        cfg = cfg.stored_for(mesh.shape["model"])
     layout = cfg.head_layout  # checkpoint heads -> stored heads (None: stored as they are)
     family = get_family(cfg.family)
     abstract = nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0)))
@@ -178,9 +182,23 @@ def load_model(path: str | None = None, *, dtype: str = "float32", mesh: Mesh | 
 
     `mesh` (a ("data", "model") Mesh) places every parameter directly in its tensor-parallel layout.
     """
-    if path is None:
-        from runner.models.default_model import default_model_path
-        path = default_model_path()
-    ckpt = read_checkpoint(path)
-    model = model_from_hf_tensors(ModelConfig.from_hf_dict(ckpt.hf_config, dtype=dtype), ckpt.tensors, mesh=mesh)
+    ckpt = read_checkpoint(default_model_path() if path is None else path)
+    model = model_from_hf_tensors(config_from_hf(ckpt.hf_config, dtype=dtype), ckpt.tensors, mesh=mesh)
     return model, model.config
+
+
+def read_checkpoint(path: str) -> Checkpoint:
+    """Read a Hugging Face directory (`config.json` + safetensors) or a `.gguf` file, validated."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"checkpoint path does not exist: {path}")
+    if os.path.isdir(path):
+        ckpt = read_hf_dir(path)
+    elif is_gguf(path):
+        ckpt = read_gguf(path)
+    else:
+        raise ValueError(
+            f"{path}: not a checkpoint; expected a Hugging Face directory (config.json + *.safetensors) "
+            f"or a .gguf file")
+    validate_tensors(ckpt.hf_config, ckpt.tensors, path)
+    return ckpt

@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from runner.attention import MASK_VALUE, AttentionMetadata, paged_attention, paged_slots, write_kv
+from runner.attention import MASK_VALUE, REFERENCE, AttentionKernel, AttentionMetadata, paged_attention, paged_slots
 from runner.models.config import ModelConfig, RopeScaling
 from runner.models.family import DraftTarget
 from runner.models.embedding import embedding_rows
@@ -224,16 +224,17 @@ class DraftCache:
 
 def fill_cache(head: Eagle3Head, target: DraftTarget, kv: Float[Array, "2 Hkv P page D"],
                hidden: Float[Array, "P page H"], aux: Float[Array, "T A"], token_ids: Int[Array, "T"],
-               positions: Int[Array, "T"], slot_mapping: Int[Array, "T"], prev_slots: Int[Array, "T"]
-               ) -> tuple[Float[Array, "2 Hkv P page D"], Float[Array, "P page H"]]:
+               positions: Int[Array, "T"], slot_mapping: Int[Array, "T"], prev_slots: Int[Array, "T"],
+               kernel: AttentionKernel = REFERENCE) -> tuple[Float[Array, "2 Hkv P page D"], Float[Array, "P page H"]]:
     """After a target step (one replica): store g of every computed token, and the head's K/V at p - 1
-    for every token fed at p (its next token is now known). Out-of-range slots are dropped."""
+    for every token fed at p (its next token is now known). Out-of-range slots are dropped. `kernel`:
+    the head cache's (`AttentionKernel.head_kernel`)."""
     num_pages, page, width = hidden.shape
     flat = hidden.reshape(num_pages * page, width)
     flat = flat.at[slot_mapping].set(head.fc(aux).astype(flat.dtype), mode="drop")
     g_prev = jnp.take(flat, prev_slots, axis=0, mode="clip")
     k, v = head.midlayer.self_attn.kv(head.midlayer.features(head.embed(target, token_ids), g_prev), positions - 1)
-    return write_kv(kv, k, v, prev_slots), flat.reshape(hidden.shape)
+    return kernel.write(kv, k, v, prev_slots), flat.reshape(hidden.shape)
 
 
 @jax.tree_util.register_dataclass
@@ -249,14 +250,15 @@ class DraftChain:
 def draft_paged(head: Eagle3Head, target: DraftTarget, kv: Float[Array, "2 Hkv P page D"],
                 hidden: Float[Array, "P page H"], last_token_ids: Int[Array, "S"], positions: Int[Array, "S"],
                 page_indices: Int[Array, "S W"], num_seqs: Int[Array, "1"], *, num_steps: int,
-                attention_impl: str = "jax") -> tuple[Float[Array, "2 Hkv P page D"], Int[Array, "S K"], DraftChain]:
+                kernel: AttentionKernel = REFERENCE) -> tuple[Float[Array, "2 Hkv P page D"], Int[Array, "S K"], DraftChain]:
     """`num_steps` greedy drafts per sequence (one replica), as target ids `[S, num_steps]`.
 
     `last_token_ids[s]` is the token the coming target step feeds at position c, `positions[s]` is
     c - 1: step j runs the head at c - 1 + j (step 0 reads g_{c-1} from the cache, later steps the
     previous step's output) and writes its K/V there; the target step's `fill_cache` rewrites them.
     Returns the cache, the drafts and the chain after step 0 (its `confidence` decides unsure steps).
-    `attention_impl` "cpu_kernel" runs the head's attention in `runner.backends.cpu.attention`; others the pure-JAX path.
+    `kernel`: the head cache's attention (`AttentionKernel.head_kernel`: the CPU backend's C++ kernel there, else
+    the pure-JAX path).
     """
     num_pages, page, width = hidden.shape
     num_slots = num_pages * page
@@ -273,9 +275,8 @@ def draft_paged(head: Eagle3Head, target: DraftTarget, kv: Float[Array, "2 Hkv P
         feats = head.midlayer.features(head.embed(target, tok), g)
         k, v = attn.kv(feats, pos)
         slots = slot_of(pos)
-        kv = write_kv(kv, k, v, slots)
-        md = AttentionMetadata(slots, jnp.where(valid, pos + 1, 0), page_indices, cu_q_lens, num_seqs,
-                               impl="cpu_kernel" if attention_impl == "cpu_kernel" else "jax")
+        kv = kernel.write(kv, k, v, slots)
+        md = AttentionMetadata(slots, jnp.where(valid, pos + 1, 0), page_indices, cu_q_lens, num_seqs, kernel=kernel)
         o = paged_attention(attn.q(feats, pos), kv, md, sm_scale=attn.head_dim ** -0.5)
         x = head.midlayer.finish(g, o)
         return kv, x, head.logits(target, x)

@@ -35,7 +35,7 @@ from runner.sampler import SamplerOutput
 from runner.sharding import kv_cache_sharding
 from runner.spec_decode.eagle3 import DraftCache, Eagle3Head
 from runner.spec_decode.eagle3_programs import TargetLeaves, compiled_programs
-from runner.step_inputs import DeviceBatch
+from runner.step_padding import DeviceBatch
 
 
 class Eagle3Drafter:

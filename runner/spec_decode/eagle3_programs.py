@@ -23,23 +23,18 @@ from jax.sharding import NamedSharding
 from jax.tree_util import PyTreeDef
 from jaxtyping import Array, Bool, Float, Int
 
-from runner.attention import cache_geometry, paged_slots
+from runner.attention import paged_slots
 from runner.models.family import KVCaches
 from runner.sampler import SamplerOutput
 from runner.spec_decode.eagle3 import DraftCache, DraftChain, Eagle3Head, draft_paged, fill_cache
-from runner.step_inputs import DeviceBatch
-from runner.step_program import decode_loop, forward_and_sample, record_buffers
+from runner.step_padding import DeviceBatch
+from runner.step_program import decode_loop, forward_and_sample, merge_leaves, record_buffers
 
 
 # Tree structures of (head params, head rest, target params, target rest): the jitted programs take
 # flat leaf lists, which jit handles ~2x faster per call than `nnx.State`s (see `runner.model_runner`).
 TreeDefs = tuple[PyTreeDef, PyTreeDef, PyTreeDef, PyTreeDef]
 TargetLeaves = tuple[list[Array], list[Array]]  # the target's params and rest as leaf lists (`ModelRunner`)
-
-
-def _merge(graphdef: nnx.GraphDef, params_def: PyTreeDef, rest_def: PyTreeDef, params: list[Array],
-           rest: list[Array]) -> nnx.Module:
-    return nnx.merge(graphdef, jax.tree.unflatten(params_def, params), jax.tree.unflatten(rest_def, rest))
 
 
 def _per_replica(fn: Callable[..., tuple], num_replicas: int, on_mesh: bool, *args: Array) -> tuple:
@@ -65,8 +60,8 @@ def _fill(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: TreeDefs, shardi
           head_params: list[Array],
           head_rest: list[Array], params: list[Array], rest: list[Array], cache: DraftCache,
           aux: Float[Array, "R T A"], batch: DeviceBatch) -> DraftCache:
-    head = _merge(head_gd, defs[0], defs[1], head_params, head_rest)
-    target = _merge(target_gd, defs[2], defs[3], params, rest)
+    head = merge_leaves(head_gd, defs[0], defs[1], head_params, head_rest)
+    target = merge_leaves(target_gd, defs[2], defs[3], params, rest)
     return _fill_after(head, target, cache.kv, cache.hidden, aux, batch, batch.md.slot_mapping,
                        batch.prev_slot_mapping, shardings)
 
@@ -129,7 +124,7 @@ def _draft(head: Eagle3Head, target: nnx.Module, cache: DraftCache, batch: Devic
         first = cu_q_lens[:-1]  # each sequence's first token: the one it feeds at c (its drafts follow)
         last = jnp.take(token_ids, first, mode="clip")
         return draft_paged(head, target, kv, hid, last, jnp.take(positions, first, mode="clip") - 1, pages, num_seqs,
-                           num_steps=num_steps, attention_impl=md.impl)
+                           num_steps=num_steps, kernel=md.kernel.head_kernel())
 
     return _per_replica(draft, cache.kv.shape[0], on_mesh, cache.kv, cache.hidden, batch.token_ids, batch.positions,
                         md.cu_q_lens, md.page_indices, md.num_seqs)
@@ -140,7 +135,7 @@ def _fill_after(head: Eagle3Head, target: nnx.Module, head_kv: Array, hidden: Ar
                 shardings: CacheShardings | None) -> DraftCache:
     """The head's cache after a target step (`fill_cache` per replica): what the target computed at
     `placed`'s tokens, written at `slots`, with the head's K/V at `prev_slots`."""
-    fn = functools.partial(fill_cache, head, target)
+    fn = functools.partial(fill_cache, head, target, kernel=placed.md.kernel.head_kernel())
     head_kv, hidden = _per_replica(fn, head_kv.shape[0], shardings is not None, head_kv, hidden, aux, placed.token_ids,
                                    placed.positions, slots, prev_slots)
     return _pinned(DraftCache(head_kv, hidden), shardings)
@@ -162,8 +157,8 @@ def _draft_verify(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: TreeDefs
     returned flag is False. One program instead of three saves two calls and a round trip to the host
     per step (a B=1 step's host work is a large part of its time on CPU).
     """
-    head = _merge(head_gd, defs[0], defs[1], head_params, head_rest)
-    target = _merge(target_gd, defs[2], defs[3], params, rest)
+    head = merge_leaves(head_gd, defs[0], defs[1], head_params, head_rest)
+    target = merge_leaves(target_gd, defs[2], defs[3], params, rest)
     md = batch.md
     head_kv, drafts, chain = _draft(head, target, cache, batch, num_steps, shardings is not None)
     placed = place_drafts(batch, drafts)
@@ -175,7 +170,7 @@ def _draft_verify(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: TreeDefs
 
     def plain(kv_caches: KVCaches) -> tuple:
         """Each sequence's first token alone; outputs laid out as the verification's (its first row / token)."""
-        _, num_pages, page_size = cache_geometry(kv_caches[0].shape[1:])
+        _, num_pages, page_size = md.kernel.layout.geometry(kv_caches[0].shape[1:])
         num_slots = num_pages * page_size
         b = first_token_batch(batch, plain_rows, num_slots)
         kv_caches, out, _, aux = forward_and_sample(target, kv_caches, b, num_top=num_top, token_logprobs=False,
@@ -218,10 +213,10 @@ def _draft_verify_steps(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: Tr
     Returns every step's sampled rows `[I, R * T]` and drafts `[I, R, S, K]` (steps after a sequence
     stopped: ignore); the host replays acceptance from them (`OutputProcessor.process_verify_steps`).
     """
-    head = _merge(head_gd, defs[0], defs[1], head_params, head_rest)
-    target = _merge(target_gd, defs[2], defs[3], params, rest)
-    md, chunk, sampling = batch.md, batch.chunk, batch.sampling
-    _, num_pages, page = cache_geometry(kv_caches[0].shape[1:])
+    head = merge_leaves(head_gd, defs[0], defs[1], head_params, head_rest)
+    target = merge_leaves(target_gd, defs[2], defs[3], params, rest)
+    md, chunk, sampling = batch.md, batch.loop, batch.sampling
+    _, num_pages, page = md.kernel.layout.geometry(kv_caches[0].shape[1:])
     num_slots = num_pages * page
     num_replicas, num_tokens = batch.token_ids.shape
     t = jnp.arange(num_tokens, dtype=jnp.int32)
@@ -254,7 +249,7 @@ def _draft_verify_steps(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: Tr
         step = dataclasses.replace(
             batch, token_ids=jnp.where(rank == 0, at_seq(last), batch.token_ids), positions=pos,
             md=dataclasses.replace(md, slot_mapping=slots, kv_lens=jnp.where(seq_real, fed + num_steps + 1, 0)),
-            prev_slot_mapping=prev_slots, chunk=None,
+            prev_slot_mapping=prev_slots, loop=None,
             sampling=dataclasses.replace(sampling, positions=pos + 1, suppress_ids=suppress))
         head_kv, drafts, _ = _draft(head, target, cache, step, num_steps, shardings is not None)
         placed = place_drafts(step, drafts)
@@ -287,8 +282,8 @@ def _decode_chunk_fill(head_gd: nnx.GraphDef, target_gd: nnx.GraphDef, defs: Tre
                       max_steps: int, num_kept: int = 0) -> tuple[KVCaches, DraftCache, SamplerOutput]:
     """Multi-step plain decode (`runner.step_program.decode_loop`) with the head's cache filled after every
     step, as `_fill` does after a single step: the steps that auto-disable takes off drafting."""
-    head = _merge(head_gd, defs[0], defs[1], head_params, head_rest)
-    target = _merge(target_gd, defs[2], defs[3], params, rest)
+    head = merge_leaves(head_gd, defs[0], defs[1], head_params, head_rest)
+    target = merge_leaves(target_gd, defs[2], defs[3], params, rest)
 
     def fill(cache: DraftCache, step: DeviceBatch, aux: Float[Array, "R T A"], prev_slots: Int[Array, "R T"]
              ) -> DraftCache:

@@ -19,19 +19,18 @@ PyTorch's CPU bfloat16 dots), reading 2 bytes per weight; XLA's own bfloat16 dot
 weight to float32 in every step.
 
 The kernel is built on first use (`runner.backends.cpu.kernel_build`) on CPUs with AMX-BF16 and a compiler that
-knows it; `load()` says whether it is usable and, if not, why. `JAX_ROLLOUT_AMX=0` turns it off.
+knows it; `load()` says whether it is usable and, if not, why. `EngineConfig(cpu_amx=False)` leaves it out.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, UInt16
+from jaxtyping import Array, BFloat16, Float, Int, UInt16
 
 from runner.backends.cpu.kernel_build import KernelStatus, cpu_flags, load_kernel
 
@@ -40,15 +39,6 @@ MIN_ROWS = 9  # fewer rows are bandwidth-bound: the float32 row kernel reads 4 b
 # beats AMX on the layer-shaped chain up to 40 rows (Xeon, medians: 32 rows 23.1 vs 28.2 ms, 40 rows 29.0
 # vs 29.8; 48 rows 34.1 vs 29.8, 64 rows 45.0 vs 36.1).
 DEFAULT_FROM_ROWS = 41
-
-
-def from_rows(default: int = DEFAULT_FROM_ROWS) -> int:
-    """Where AMX starts for layer matmuls the row kernel could take: `JAX_ROLLOUT_AMX_FROM_ROWS` if set
-    (an override read when a CPU backend is built, never at import), else `default`."""
-    value = os.environ.get("JAX_ROLLOUT_AMX_FROM_ROWS", str(default))
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"JAX_ROLLOUT_AMX_FROM_ROWS={value!r}: expected a row count >= 1 (default {default})")
-    return int(value)
 
 
 _TARGET, _TARGET_BF16 = "jax_rollout_amx_matmul", "jax_rollout_amx_matmul_bf16"
@@ -60,7 +50,7 @@ def load() -> KernelStatus:
     flags = cpu_flags()
     if not {"amx_tile", "amx_bf16"} <= flags:
         return KernelStatus(False, "the CPU has no AMX-BF16")
-    status = load_kernel("amx_matmul.cc", "JAX_ROLLOUT_AMX", {_TARGET: "AmxMatmul", _TARGET_BF16: "AmxMatmulBf16"})
+    status = load_kernel("amx_matmul.cc", {_TARGET: "AmxMatmul", _TARGET_BF16: "AmxMatmulBf16"})
     if not status.available or status.library is None:
         return status
     code = ctypes.CDLL(status.library).jax_rollout_amx_enable()
@@ -141,3 +131,10 @@ def amx_matmul(x: Float[Array, "... K"], packed: UInt16[Array, "N/16 K/32 P 16 1
     bf16_io = x.dtype == jnp.bfloat16 and packed.shape[2] == 1
     y = _matmul(x.reshape(-1, x.shape[-1]).astype(jnp.bfloat16 if bf16_io else jnp.float32), packed)
     return y.reshape(*x.shape[:-1], y.shape[-1]).astype(x.dtype)
+
+
+def packed_rows(packed: UInt16[Array, "V/16 H/32 1 16 16 2"], ids: Int[Array, "..."]) -> BFloat16[Array, "... H"]:
+    """Rows `ids` of the bfloat16 table `E` [V, H] whose transpose was packed one-part (`pack_kernel(E.T)`:
+    packed[nb, kb, 0, i, c, j] = E[16 nb + c, 32 kb + 2 i + j]): a gather of uint16 bits, no conversion."""
+    rows = packed[ids // 16, :, 0, :, ids % 16, :]  # [..., H/32, 16, 2]
+    return jax.lax.bitcast_convert_type(rows.reshape(*ids.shape, -1), jnp.bfloat16)

@@ -12,20 +12,25 @@ Used for steps of at most `MAX_Q_LEN` queries per sequence (prefill steps attend
 step 600 -> 450 ms, with ~350-token prompts 900 -> 500 ms against the reference's batched dots), a
 float32 cache or a bfloat16 one stored as its uint16 bits (the CPU backend's bfloat16 cache: each
 element widens exactly to float32 in the kernel; queries go in as float32, the result comes back in
-the queries' dtype), one CPU device. Built on first use (`runner.backends.cpu.kernel_build`);
-`JAX_ROLLOUT_CPU_ATTENTION=0` turns it off.
+the queries' dtype), one CPU device (or, `per_device`, each replica of a data-parallel mesh on its own).
+Built on first use (`runner.backends.cpu.kernel_build`); `EngineConfig(attention_backend="jax")` leaves it out.
+`CpuPagedAttention` is the attention callable the CPU backend puts in every step (`runner.attention`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from runner.attention import AttentionKernel, AttentionMetadata
 from runner.backends.cpu.kernel_build import KernelStatus, load_kernel
+from runner.kv_layout import KVLayout
 
 MAX_Q_LEN = 64  # queries per sequence (or prefill piece) up to which a step uses the kernel
 MAX_HEAD_DIM = 256
@@ -36,8 +41,7 @@ _TARGET_BF16 = "jax_rollout_paged_attention_bf16"  # a bfloat16 cache as uint16 
 @functools.cache
 def load() -> KernelStatus:
     """Build (once per machine) and register the kernel for this process."""
-    return load_kernel("paged_attention.cc", "JAX_ROLLOUT_CPU_ATTENTION",
-                       {_TARGET: "PagedAttention", _TARGET_BF16: "PagedAttentionBf16"})
+    return load_kernel("paged_attention.cc", {_TARGET: "PagedAttention", _TARGET_BF16: "PagedAttentionBf16"})
 
 
 def cpu_paged_attention(
@@ -73,3 +77,29 @@ def supports(query_dtype: jnp.dtype, cache_dtype: jnp.dtype) -> bool:
     stored as uint16 bits with bfloat16 queries."""
     pair = (jnp.dtype(query_dtype), jnp.dtype(cache_dtype))
     return pair in ((jnp.dtype(jnp.float32), jnp.dtype(jnp.float32)), (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.uint16)))
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuPagedAttention(AttentionKernel):
+    """The C++ kernel for steps of at most `MAX_Q_LEN` queries per attention row in dtypes it takes; the
+    pure-JAX reference for the rest and for sliding-window or soft-capped layers (the kernel has neither)."""
+
+    name: ClassVar[str] = "cpu_kernel"
+    per_device: ClassVar[bool] = True
+
+    def __call__(self, queries: Float[Array, "T Hq D"], kv_pages: Array, md: AttentionMetadata, *, sm_scale: float,
+                 sliding_window: int | None = None, soft_cap: float | None = None) -> Float[Array, "T Hq D"]:
+        if (sliding_window is None and soft_cap is None and md.max_q_len <= MAX_Q_LEN
+                and supports(queries.dtype, kv_pages.dtype) and queries.shape[-1] <= MAX_HEAD_DIM):
+            return cpu_paged_attention(queries, kv_pages, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
+                                       sm_scale=sm_scale)
+        return self.reference(queries, kv_pages, md, sm_scale=sm_scale, sliding_window=sliding_window,
+                              soft_cap=soft_cap)
+
+    def head_kernel(self) -> AttentionKernel:
+        return CpuPagedAttention(KVLayout())
+
+    def describe(self) -> str:
+        return (f"the C++ paged attention for attention rows of <= {MAX_Q_LEN} queries (decode loops, verification, "
+                f"ragged steps' pieces) over a float32 or a bfloat16 cache (held as uint16 bits); pure JAX for "
+                "sliding-window and soft-capped layers")

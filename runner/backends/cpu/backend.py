@@ -17,10 +17,10 @@ C++ attention for every step; the norms' sums in a fixed order (`runner.row_sum`
 the kernels and the bits are those of one device; a `model` axis (tensor parallelism) is refused.
 
 Each runs only where it builds and helps (AVX-512, float32, one device); otherwise XLA's dot or the
-pure-JAX attention runs, and `status()` says why. Options come from `EngineConfig`
-(`cpu_row_kernel`, `cpu_amx`, `cpu_amx_from_rows`, `attention_backend`); the environment switches
-`JAX_ROLLOUT_ROW_KERNEL=0`, `JAX_ROLLOUT_AMX=0`, `JAX_ROLLOUT_BF16_MATMUL=0`, `JAX_ROLLOUT_CPU_ATTENTION=0` and
-`JAX_ROLLOUT_AMX_FROM_ROWS` override them, read when the backend is built.
+pure-JAX attention runs, and `status()` says why. Options come from `EngineConfig` only
+(`cpu_row_kernel`, `cpu_amx`, `cpu_amx_from_rows`, `cpu_bf16_matmul`, `attention_backend`).
+A bfloat16 model's tied embedding is read from the head's packed copy (`PackedTableRows`), and its KV
+cache is held as uint16 bits (`runner.kv_layout.KVLayout.bits`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from collections.abc import Callable
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 from runner.backends.base import Backend, BackendStatus, ModuleT, PackedKernel, XlaMatmul
 from runner.backends.cpu import amx_matmul as amx
@@ -78,6 +78,15 @@ class CpuMatmul:
         return XlaMatmul(self.transposed)(x, w, None)
 
 
+@dataclasses.dataclass(frozen=True)
+class PackedTableRows:
+    """Embedding rows read from the tied head's one-part packed copy (a bfloat16 table): uint16 bits
+    gathered, no conversion (`amx_matmul.packed_rows`)."""
+
+    def __call__(self, table: Float[Array, "V H"], packed: Array | None, ids: Int[Array, "..."]) -> Array:
+        return amx.packed_rows(packed, ids)
+
+
 def in_row_chunks(kernel: Callable[[Array, Array], Array], x: Float[Array, "... K"], w: Array, chunk: int
                   ) -> Float[Array, "... N"]:
     """`kernel(x, w)` over consecutive chunks of at most `chunk` rows (a kernel whose rows do not depend
@@ -109,8 +118,10 @@ class CpuBackend(Backend):
     name = "cpu"
 
     def __init__(self, mesh: Mesh, *, dtype: str, param_dtype: str, attention_impl: str, row_kernel: bool = True,
-                 use_amx: bool = True, amx_from_rows: int = amx.DEFAULT_FROM_ROWS, batch_invariant: bool = False) -> None:
+                 use_amx: bool = True, amx_from_rows: int = amx.DEFAULT_FROM_ROWS, bf16_matmul: bool = True,
+                 batch_invariant: bool = False) -> None:
         super().__init__(attention_impl)
+        self.kv_bits = not attention_impl.startswith("pallas_")  # (the Pallas kernels read bfloat16 as it is)
         # batch-invariant mode on a data-parallel mesh: each replica's forward on its own device
         # (`runner.step_program`), so the kernels run there as on one device
         per_device = batch_invariant and mesh.shape["model"] == 1
@@ -128,8 +139,8 @@ class CpuBackend(Backend):
             self.amx = KernelStatus(False, "turned off by EngineConfig(cpu_amx=False)")
         else:
             self.amx = amx.load()
-        self.amx_from_rows = amx.from_rows(amx_from_rows) if self.amx.available else amx_from_rows
-        self.bf16_kernel, self.bf16_status = _bf16_kernel(bf16_model, self.amx)
+        self.amx_from_rows = amx_from_rows
+        self.bf16_kernel, self.bf16_status = _bf16_kernel(bf16_model, self.amx, bf16_matmul)
         self.batch_invariant = batch_invariant
         if batch_invariant:
             _check_batch_invariant(mesh, attention_impl, self.row_kernel, bf16_model, self.bf16_kernel, self.bf16_status)
@@ -169,15 +180,9 @@ class CpuBackend(Backend):
                 sub.packed = packed
             else:
                 sub.packed_head = packed
+                if value is not None and value.ndim == 6 and value.shape[2] == 1:  # a bfloat16 table, one part
+                    sub.embedding_rows = PackedTableRows()
         return copy
-
-    def kv_cache_dtype(self, dtype: str) -> str:
-        """A bfloat16 cache is stored as its uint16 bits: XLA:CPU scatters bfloat16 through a float32 copy
-        of the whole cache (`runner.ragged_attention.cache_values`). The Pallas kernels (interpret-mode
-        tests on CPU) read their bfloat16 cache as it is."""
-        if jnp.dtype(dtype) == jnp.bfloat16 and not self.attention_impl.startswith("pallas_"):
-            return "uint16"
-        return dtype
 
     def refresh(self, graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State) -> nnx.State:
         model = nnx.merge(graphdef, params, rest)
@@ -211,7 +216,7 @@ class CpuBackend(Backend):
             invariant = f"on: {kernel} at every row count, the C++ attention, fixed-order norms"
         return BackendStatus(self.name, matmul=self.row_kernel.reason, amx=self.amx.reason,
                              attention=self.attention_impl, bf16_matmul=self.bf16_status, batch_invariant=invariant,
-                             attention_kernel=self.kernel_status())
+                             attention_kernel=self.attention_status())
 
 
 def _check_batch_invariant(mesh: Mesh, attention_impl: str, row_kernel: KernelStatus, bf16_model: bool,
@@ -243,13 +248,15 @@ def _check_invariant_model(model: nnx.Module) -> None:
                          "layers run the pure-JAX attention); use batch_invariant=False")
 
 
-def _bf16_kernel(bf16_model: bool, amx_status: KernelStatus) -> tuple[str, str]:
+def _bf16_kernel(bf16_model: bool, amx_status: KernelStatus, enabled: bool) -> tuple[str, str]:
     """The kernel of a bfloat16 model's packed weights ("amx", "dot", "fma"; "" for none) and what
     `stats()` says of it."""
     if not bf16_model:
         return "", "not a bfloat16 model on one CPU device with kernels on"
     if amx_status.available:
         return "amx", "ok: AMX tiles"
+    if not enabled:
+        return "", "XLA's dot: turned off by EngineConfig(cpu_bf16_matmul=False)"
     status = bf16.load()
     if not status.available:
         return "", f"XLA's dot: {status.reason}"

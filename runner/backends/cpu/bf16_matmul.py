@@ -13,7 +13,7 @@ CPU backend takes VDPBF16PS where it does more multiply-adds per second than FMA
 so), the FMAs elsewhere (the Intel Xeon VM here: VDPBF16PS at 0.5x).
 
 The kernel is built on first use (`runner.backends.cpu.kernel_build`) on CPUs with AVX512_BF16; `load()`
-says whether it is usable and, if not, why. `JAX_ROLLOUT_BF16_MATMUL=0` turns it off.
+says whether it is usable and, if not, why. `EngineConfig(cpu_bf16_matmul=False)` leaves it out.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def load() -> KernelStatus:
     """Build (once per machine) and register the kernel for this process."""
     if "avx512_bf16" not in cpu_flags():
         return KernelStatus(False, "the CPU has no AVX512_BF16")
-    status = load_kernel("bf16_matmul.cc", "JAX_ROLLOUT_BF16_MATMUL", {_TARGET: "Bf16Matmul", _TARGET_BF16_OUT: "Bf16MatmulBf16Out"})
+    status = load_kernel("bf16_matmul.cc", {_TARGET: "Bf16Matmul", _TARGET_BF16_OUT: "Bf16MatmulBf16Out"})
     if status.available and status.library and ctypes.CDLL(status.library).jax_rollout_bf16_matmul_built() != 0:
         return KernelStatus(False, "the C++ compiler did not target AVX512_BF16 (-march=native); XLA's dot is kept")
     return status

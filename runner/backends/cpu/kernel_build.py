@@ -79,10 +79,8 @@ def _build(source: Path, compiler: str) -> Path:
     return library
 
 
-def load_kernel(source_name: str, switch: str, targets: dict[str, str]) -> KernelStatus:
+def load_kernel(source_name: str, targets: dict[str, str]) -> KernelStatus:
     """Build `kernels/<source_name>` and register its handler symbols (`targets`: FFI target -> symbol)."""
-    if os.environ.get(switch, "1") == "0":
-        return KernelStatus(False, f"turned off by {switch}=0")
     if platform.system() != "Linux":
         return KernelStatus(False, f"built only on Linux, not {platform.system()}")
     if "avx512f" not in cpu_flags():

@@ -18,7 +18,7 @@ past 8 (`amx_matmul.takes`, called by `Linear.__call__`).
 
 The kernel is built on first use (`runner.backends.cpu.kernel_build`: AVX-512 CPUs with a C++ compiler); `load()`
 says whether it is usable and, if not, why; the model then keeps XLA's dot.
-`JAX_ROLLOUT_ROW_KERNEL=0` turns it off.
+`EngineConfig(cpu_row_kernel=False)` leaves it out.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ _TARGET, _TARGET_NT = "jax_rollout_row_matmul", "jax_rollout_row_matmul_nt"
 @functools.cache
 def load() -> KernelStatus:
     """Build (once per machine) and register the kernel for this process."""
-    return load_kernel("row_matmul.cc", "JAX_ROLLOUT_ROW_KERNEL", {_TARGET: "RowMatmul", _TARGET_NT: "RowMatmulNT"})
+    return load_kernel("row_matmul.cc", {_TARGET: "RowMatmul", _TARGET_NT: "RowMatmulNT"})
 
 
 def _kernel_with_dot_gradients(target: str, transposed: bool) -> Callable[[Array, Array], Array]:
