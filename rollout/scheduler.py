@@ -41,7 +41,7 @@ class SchedulerConfig:
     num_replicas: int = 1  # data-parallel replicas; the two budgets above apply to each
     num_scheduler_steps: int = 1  # multi-step decode: decode steps per call, each sequence's count in num_new_tokens
     # speculation (drafts are made only in decode steps): after a ragged step, one decode step of the running
-    # decodes before the next ragged one, so arrivals cannot keep every step draft-free
+    # decodes before the next ragged one, so steady arrivals cannot keep every step draft-free
     interleave_decodes: bool = False
 
     def __post_init__(self) -> None:
@@ -107,11 +107,9 @@ class Scheduler:
         """A ragged step while some prompt can be computed (a running chunked prefill, or a waiting sequence
         that fits), else a decode loop of every running sequence (`interleave_decodes`: also right after a
         ragged step, when some sequence decodes)."""
-        after_ragged = self._last_kind == "ragged" and any(not s.is_prefilling for s in self.running)
-        if self._prefill_waits() and not (self.config.interleave_decodes and after_ragged):
-            batch = self._schedule_ragged()
-        else:
-            batch = self._schedule_decode_loop()
+        interleave = (self.config.interleave_decodes and self._last_kind == "ragged"
+                      and any(not s.is_prefilling for s in self.running))
+        batch = self._schedule_ragged() if self._prefill_waits() and not interleave else self._schedule_decode_loop()
         self._last_kind = batch.kind
         return batch
 

@@ -14,6 +14,7 @@ layout from an array's rank.
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +28,8 @@ class KVLayout:
     """The engine's own layout, `[2, Hkv, P, page, D]` per replica."""
 
     bits: bool = False  # a bfloat16 cache held as its uint16 bits
+    # each dimension's logical axis (`runner.sharding`): replicas over `data`, KV heads over `model`
+    cache_axes: ClassVar[tuple[str | None, ...]] = ("replica", None, "kv_heads", None, None, None)
 
     def cache_shape(self, spec: KVCacheSpec) -> tuple[int, ...]:
         """One layer's cache, replica axis first."""
@@ -102,6 +105,7 @@ class FusedKVLayout(KVLayout):
     head_dim: int = 128
     padded_kv_heads: int = 1
     padded_head_dim: int = 128
+    cache_axes: ClassVar[tuple[str | None, ...]] = ("replica", None, None, "kv_heads", None)
 
     @classmethod
     def unpadded(cls, num_kv_heads: int, head_dim: int) -> "FusedKVLayout":

@@ -86,7 +86,7 @@ class ModelRunner:
         self.graphdef = graphdef
         defs = (jax.tree.structure(params), jax.tree.structure(rest))
         kv_shape = self.attention.layout.cache_shape(kv_spec)
-        kv_sharding = kv_cache_sharding(kv_shape, self.mesh)
+        kv_sharding = kv_cache_sharding(kv_shape, self.attention.layout.cache_axes, self.mesh)
         pinned = kv_sharding if self.mesh.size > 1 else None
         store = open_store(executable_dir) if executable_dir is not None else None
         devices = tuple(self.mesh.devices.flat)

@@ -17,8 +17,6 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-KV_CACHE_AXES: tuple[str | None, ...] = ("replica", None, "kv_heads", None, None, None)  # [R, 2, Hkv, P, page, D]
-TPU_KV_CACHE_AXES: tuple[str | None, ...] = ("replica", None, None, "kv_heads", None)  # [R, P, page, 2 * Hkv, D]
 LOGICAL_TO_MESH: dict[str, str] = {"vocab": "model", "heads": "model", "mlp": "model", "kv_heads": "model",
                                    "expert": "model", "replica": "data"}
 
@@ -57,10 +55,11 @@ def param_sharding(logical: tuple[str | None, ...], shape: tuple[int, ...], mesh
     return NamedSharding(mesh, spec_for(shape, logical, mesh))
 
 
-def kv_cache_sharding(shape: tuple[int, ...], mesh: Mesh) -> NamedSharding:
-    """A layer's KV cache split over replicas (`data`) and KV heads (`model`), in either layout (the
-    TPU one's combined K/V head axis splits between heads: K and V of a head stay together)."""
-    return NamedSharding(mesh, spec_for(shape, TPU_KV_CACHE_AXES if len(shape) == 5 else KV_CACHE_AXES, mesh))
+def kv_cache_sharding(shape: tuple[int, ...], logical: tuple[str | None, ...], mesh: Mesh) -> NamedSharding:
+    """A layer's KV cache split over replicas (`data`) and KV heads (`model`) by its layout's logical axes
+    (`runner.kv_layout.KVLayout.cache_axes`; the TPU one's combined K/V head axis splits between heads: K and
+    V of a head stay together)."""
+    return NamedSharding(mesh, spec_for(shape, logical, mesh))
 
 
 def shard_params(params: object, mesh: Mesh, logical_axes: Callable[[str], tuple[str | None, ...]],

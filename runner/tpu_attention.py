@@ -25,12 +25,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import ClassVar
 from types import ModuleType
 
+import jax
 import jax.numpy as jnp
 from jax.experimental import pallas
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa_kernel
+from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, Float, Int
 
 from runner.attention import AttentionKernel, AttentionMetadata
@@ -198,18 +199,31 @@ class TpuRaggedAttention(AttentionKernel):
     `interpret`: in Pallas's generic interpreter (off a TPU)."""
 
     layout: FusedKVLayout = FusedKVLayout()
-    shape: TpuKernelShape = TpuKernelShape(1, 1, 128, 1, 1, 128)
+    shape: TpuKernelShape = TpuKernelShape(1, 1, 128, 1, 1, 128)  # one device's heads
     blocks: BlockSizes = INTERPRET_BLOCKS
     interpret: bool = False
-    per_device: ClassVar[bool] = True
+    # tensor parallel: the mesh whose `model` axis splits the heads; the kernel runs on each device's share
+    # (`shard_map`), which must tile as it is (the padding is per device, never between devices' heads)
+    mesh: Mesh | None = None
 
     @classmethod
     def for_model(cls, num_q_heads: int, num_kv_heads: int, head_dim: int, cache_dtype: str, blocks: BlockSizes,
-                  *, interpret: bool) -> "TpuRaggedAttention":
-        shape = TpuKernelShape.for_model(num_q_heads, num_kv_heads, head_dim, cache_dtype)
-        layout = FusedKVLayout(num_kv_heads=num_kv_heads, head_dim=head_dim, padded_kv_heads=shape.padded_kv_heads,
+                  *, interpret: bool, mesh: Mesh | None = None) -> "TpuRaggedAttention":
+        """The kernel for a model's heads; on a tensor-parallel `mesh` for each device's share of them
+        (`ValueError` if those would need zero heads between the devices' heads: use "tpu_ragged_jax")."""
+        parts = 1 if mesh is None else mesh.shape["model"]
+        shape = TpuKernelShape.for_model(num_q_heads // parts, num_kv_heads // parts, head_dim, cache_dtype)
+        if parts > 1 and shape.padded_kv_heads != shape.num_kv_heads:
+            raise ValueError(f"each of {parts} devices would hold {shape.num_kv_heads} KV heads, which the TPU ragged "
+                             f"kernel cannot tile without padding between devices; use 'tpu_ragged_jax'")
+        layout = FusedKVLayout(num_kv_heads=num_kv_heads, head_dim=head_dim, padded_kv_heads=shape.padded_kv_heads * parts,
                                padded_head_dim=shape.padded_head_dim)
-        return cls(layout, shape, blocks, interpret)
+        return cls(layout, shape, blocks, interpret, mesh if parts > 1 else None)
+
+    @property
+    def per_device(self) -> bool:  # type: ignore[override]
+        """Data parallel: a replica per device (`forward_and_sample`); tensor parallel maps itself."""
+        return self.mesh is None
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -217,11 +231,19 @@ class TpuRaggedAttention(AttentionKernel):
 
     def __call__(self, queries: Float[Array, "T Hq D"], kv_pages: Array, md: AttentionMetadata, *, sm_scale: float,
                  sliding_window: int | None = None, soft_cap: float | None = None) -> Float[Array, "T Hq D"]:
-        return tpu_ragged_attention(queries, kv_pages, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
-                                    num_kv_heads=self.shape.num_kv_heads, sm_scale=sm_scale,
-                                    sliding_window=sliding_window, soft_cap=soft_cap, blocks=self.blocks,
-                                    interpret=self.interpret)
+        def local(q: Array, kv: Array, md: AttentionMetadata) -> Array:
+            return tpu_ragged_attention(q, kv, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
+                                        num_kv_heads=self.shape.num_kv_heads, sm_scale=sm_scale,
+                                        sliding_window=sliding_window, soft_cap=soft_cap, blocks=self.blocks,
+                                        interpret=self.interpret)
+
+        if self.mesh is None:
+            return local(queries, kv_pages, md)
+        heads, cache = PartitionSpec(None, "model", None), PartitionSpec(None, None, "model", None)
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(heads, cache, jax.tree.map(lambda _: PartitionSpec(), md)),
+                             out_specs=heads, check_vma=False)(queries, kv_pages, md)
 
     def describe(self) -> str:
-        return (f"{self.name} for every step: {self.shape.describe()}; blocks of {self.blocks.kv_tokens} KV tokens "
-                f"x {self.blocks.queries} queries")
+        split = "" if self.mesh is None else f"on each of {self.mesh.shape['model']} devices' heads, "
+        return (f"{self.name} for every step, {split}{self.shape.describe()}; blocks of {self.blocks.kv_tokens} KV "
+                f"tokens x {self.blocks.queries} queries")

@@ -123,3 +123,22 @@ def test_a_sliding_window_and_soft_capped_model_on_the_kernel() -> None:
     assert "heads 6 query / 3 KV -> 8 / 4" in tpu.stats().attention_kernel
     _compare(cpu, tpu, prompts, params)
 
+
+
+def test_tensor_parallel_runs_the_kernel_on_each_devices_heads() -> None:
+    """A (1, 2) mesh: the cache's KV heads split over the `model` axis, the kernel runs under `shard_map` on
+    each device's share (head_dim zero-padded per device), tokens and logprobs as the CPU backend's."""
+    model = make_model()
+    kw = dict(ENGINE_KW, num_scheduler_steps=4)
+    prompts = [rand_prompt(np.random.default_rng(i), n) for i, n in enumerate((5, 19, 70))]
+    params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=0),
+              SamplingParams(n=2, temperature=1.0, seed=4, max_tokens=6, ignore_eos=True, logprobs=0)]
+    cpu = Engine.from_model(model, ByteTokenizer(), **kw)
+    tpu = Engine.from_model(model, ByteTokenizer(), mesh=(1, 2), backend="tpu", attention_backend="tpu_ragged_interpret",
+                            **kw)
+    stats = tpu.stats()
+    assert stats.attention_impl == "tpu_ragged_interpret" and "on each of 2 devices' heads" in stats.attention_kernel
+    cache = tpu.runner.kv_caches[0]
+    assert cache.shape[-2:] == (2 * CFG.num_key_value_heads, 128)
+    assert cache.sharding.spec[3] == "model"  # each device holds its own heads' K and V
+    _compare(cpu, tpu, prompts, params)

@@ -21,6 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from runner.backends.attention_kernels import ATTENTION_IMPLS
+from runner.attention import AttentionKernel
 from runner.backends.base import Backend, BackendStatus, ModuleT
 from runner.backends.cpu.attention import load as load_cpu_attention
 from runner.backends.cpu.backend import CpuBackend
@@ -41,17 +42,31 @@ class TpuBackend(Backend):
 
     name = "tpu"
 
-    def __init__(self, attention_impl: str, *, on_tpu: bool, device_kind: str = "cpu") -> None:
+    def __init__(self, attention_impl: str, *, on_tpu: bool, device_kind: str = "cpu", mesh: Mesh | None = None) -> None:
         super().__init__(attention_impl)
         self.grouped_matmul = "megablox" if on_tpu else "megablox_interpret"
         self.device_kind = device_kind
         self.blocks = block_sizes_for(device_kind)  # the ragged kernel's tiling on this chip generation
+        if mesh is not None and mesh.shape["model"] > 1:  # tensor parallel (data is 1: `auto_attention_impl`)
+            self.tensor_parallel = mesh
+        self.fallback = ""  # why the kernel asked for does not run
+
+    def attention_for(self, num_q_heads: int, num_kv_heads: int, head_dim: int, cache_dtype: str) -> AttentionKernel:
+        """The kernel's; on a tensor-parallel mesh whose devices' heads it cannot tile as they are, its pure-JAX
+        reference over the same layout (and `stats()` says why)."""
+        try:
+            return super().attention_for(num_q_heads, num_kv_heads, head_dim, cache_dtype)
+        except ValueError as err:
+            if self.tensor_parallel is None or not self.attention_impl.startswith("tpu_ragged"):
+                raise
+            self.fallback, self.attention_impl = f" ({err})", "tpu_ragged_jax"
+            return super().attention_for(num_q_heads, num_kv_heads, head_dim, cache_dtype)
 
     def status(self) -> BackendStatus:
         status = super().status()
-        if not self.attention_impl.startswith("tpu_ragged") or self.attention_impl == "tpu_ragged_jax":
-            return status
-        return dataclasses.replace(status, attention_kernel=f"{status.attention_kernel} ({self.device_kind})")
+        if self.attention_impl in ("tpu_ragged", "tpu_ragged_interpret"):
+            return dataclasses.replace(status, attention_kernel=f"{status.attention_kernel} ({self.device_kind})")
+        return dataclasses.replace(status, attention_kernel=status.attention_kernel + self.fallback)
 
     @property
     def min_buckets(self) -> tuple[int, int]:
@@ -70,13 +85,15 @@ def auto_attention_impl(backend: str, platform: str, model_axis: int, cache_dtyp
     """The attention impl for `attention_backend=backend` ("auto", "tpu" or one of ATTENTION_IMPLS) on `platform`.
 
     "tpu" (and "auto" on a TPU): the cache in the TPU ragged kernel's layout, every step through that
-    kernel on a TPU with a bfloat16 cache and no `model` axis ("tpu_ragged"), else through the pure-JAX
-    reference of that layout ("tpu_ragged_jax": a float32 cache stays exact; a sharded one stays
-    partitioned). "auto" elsewhere: on a GPU without tensor parallelism, the Pallas decode kernel; on
-    one CPU device with a float32 or bfloat16 cache, the C++ kernel when it builds; otherwise pure JAX.
+    kernel on a TPU with a bfloat16 cache, one device per replica or one replica over the `model` axis
+    (the kernel on each device's heads) ("tpu_ragged"), else through the pure-JAX reference of that
+    layout ("tpu_ragged_jax": a float32 cache stays exact; a mesh with both axes stays partitioned).
+    "auto" elsewhere: on a GPU without tensor parallelism, the Pallas decode kernel; on one CPU device
+    with a float32 or bfloat16 cache, the C++ kernel when it builds; otherwise pure JAX.
     """
     if backend == "tpu" or (backend == "auto" and platform == "tpu"):
-        kernel = platform == "tpu" and model_axis == 1 and jnp.dtype(cache_dtype) == jnp.bfloat16
+        one_axis = model_axis == 1 or num_devices == model_axis
+        kernel = platform == "tpu" and one_axis and jnp.dtype(cache_dtype) == jnp.bfloat16
         return "tpu_ragged" if kernel else "tpu_ragged_jax"
     if backend != "auto":
         return backend
@@ -113,9 +130,11 @@ def select_backend(name: str, mesh: Mesh, *, dtype: str, param_dtype: str, cache
     if batch_invariant and requested == "auto" and kind == "cpu" and mesh.size > 1 and mesh.shape["model"] == 1:
         # data parallel: each device runs the C++ kernel on its replica
         attention = "cpu_kernel" if load_cpu_attention().available else attention
-    if attention not in ("jax", "tpu_ragged_jax") and mesh.shape["model"] > 1:
+    splits_heads = attention in ("tpu_ragged", "tpu_ragged_interpret") and mesh.shape["data"] == 1
+    if attention not in ("jax", "tpu_ragged_jax") and mesh.shape["model"] > 1 and not splits_heads:
         raise ValueError(f"attention impl {attention!r} runs unpartitioned: it needs a mesh whose 'model' axis "
-                         f"is 1, got {mesh.shape['model']} (use 'jax')")
+                         f"is 1, got {mesh.shape['model']} (use 'jax'; the TPU ragged kernel splits heads on a "
+                         "mesh of data axis 1)")
     if kind == "cpu":
         return CpuBackend(mesh, dtype=dtype, param_dtype=param_dtype, attention_impl=attention,
                           row_kernel=cpu_row_kernel, use_amx=cpu_amx, amx_from_rows=cpu_amx_from_rows,
@@ -123,5 +142,5 @@ def select_backend(name: str, mesh: Mesh, *, dtype: str, param_dtype: str, cache
     if kind == "gpu":
         return GpuBackend(attention)
     if kind == "tpu":
-        return TpuBackend(attention, on_tpu=platform == "tpu", device_kind=mesh.devices.flat[0].device_kind)
+        return TpuBackend(attention, on_tpu=platform == "tpu", device_kind=mesh.devices.flat[0].device_kind, mesh=mesh)
     return Backend(attention)

@@ -12,6 +12,8 @@ KV layout (`runner.attention`, `runner.kv_layout`), made for a model's heads by 
 
 from __future__ import annotations
 
+from jax.sharding import Mesh
+
 from runner.attention import AttentionKernel
 from runner.backends.cpu.attention import CpuPagedAttention
 from runner.backends.pallas_attention import PallasDecodeAttention
@@ -23,14 +25,16 @@ ATTENTION_IMPLS = ("jax", "cpu_kernel", "pallas_gpu", "pallas_gpu_interpret", "p
 
 
 def attention_kernel(impl: str, *, num_q_heads: int, num_kv_heads: int, head_dim: int, cache_dtype: str,
-                     bits: bool, blocks: BlockSizes) -> AttentionKernel:
+                     bits: bool, blocks: BlockSizes, tensor_parallel: Mesh | None = None) -> AttentionKernel:
     """The kernel of `impl` for a model's heads and cache dtype. `bits`: a bfloat16 cache in the engine's
-    layout is held as its uint16 bits (the CPU backend's); `blocks`: the TPU ragged kernel's tiling."""
+    layout is held as its uint16 bits (the CPU backend's); `blocks`: the TPU ragged kernel's tiling;
+    `tensor_parallel`: a mesh whose `model` axis splits the heads (the TPU kernel then runs on each
+    device's heads)."""
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"unknown attention impl {impl!r}; choose one of {ATTENTION_IMPLS}")
     if impl in ("tpu_ragged", "tpu_ragged_interpret"):
         return TpuRaggedAttention.for_model(num_q_heads, num_kv_heads, head_dim, cache_dtype, blocks,
-                                            interpret=impl.endswith("_interpret"))
+                                            interpret=impl.endswith("_interpret"), mesh=tensor_parallel)
     if impl == "tpu_ragged_jax":
         return AttentionKernel(FusedKVLayout.unpadded(num_kv_heads, head_dim))
     if impl.startswith("pallas_"):  # the kernels read their bfloat16 cache as it is

@@ -15,6 +15,7 @@ from typing import Protocol, TypeVar
 
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int
 
 from runner.attention import AttentionKernel
@@ -93,12 +94,13 @@ class Backend:
     def __init__(self, attention_impl: str = "jax") -> None:
         self.attention_impl = attention_impl
         self.attention: AttentionKernel | None = None  # made for the model's heads (`attention_for`)
+        self.tensor_parallel: Mesh | None = None  # a mesh whose `model` axis a kernel splits the heads over
 
     def attention_for(self, num_q_heads: int, num_kv_heads: int, head_dim: int, cache_dtype: str) -> AttentionKernel:
         """The attention callable (with its KV layout) every step of this engine carries, for a model's heads."""
         self.attention = attention_kernel(self.attention_impl, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                                           head_dim=head_dim, cache_dtype=cache_dtype, bits=self.kv_bits,
-                                          blocks=self.blocks)
+                                          blocks=self.blocks, tensor_parallel=self.tensor_parallel)
         return self.attention
 
     def prepare(self, module: ModuleT, *, pack: bool = True) -> ModuleT:

@@ -30,6 +30,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from runner.executable_store import ExecutableStore, StoredProgram
 from runner.kv_cache import KVCacheSpec
+from runner.kv_layout import KVLayout
 from runner.models.family import KVCaches
 from runner.sampler import SamplerOutput
 from runner.sharding import kv_cache_sharding
@@ -58,7 +59,7 @@ class Eagle3Drafter:
         kv_shape = (r, 2, cfg.num_key_value_heads, p, page, cfg.head_dim)
         hidden_shape = (r, p, page, cfg.hidden_size)
         hidden_sharding = NamedSharding(mesh, PartitionSpec("data" if r > 1 else None))
-        kv_sharding = kv_cache_sharding(kv_shape, mesh)
+        kv_sharding = kv_cache_sharding(kv_shape, KVLayout.cache_axes, mesh)  # (the engine's own layout)
         self.cache = DraftCache(
             kv=jax.jit(lambda: jnp.zeros(kv_shape, cfg.dtype), out_shardings=kv_sharding)(),
             hidden=jax.jit(lambda: jnp.zeros(hidden_shape, cfg.dtype), out_shardings=hidden_sharding)())
