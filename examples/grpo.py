@@ -16,7 +16,8 @@ Each step:
      comes from its own `LlamaForCausalLM` forward; that forward is computed BEFORE the update, so
      it also gives the sampler-vs-trainer mismatch (max / mean |diff|, K3 KL) logged every step;
   4. `engine.sync_weights(nnx.state(model, nnx.Param), version=step)`: the new weights go into the
-     engine in place (no reload, no recompilation).
+     engine in place (no reload, no recompilation). The engine is built with `share_weights=True`: its
+     parameters are the trainer's arrays (no second copy) and the sync swaps references.
 
 To fit a 2-core CPU, only the last `--train-layers` decoder layers and the final norm are trained
 (`nnx.split` into trainable / frozen states; `jax.value_and_grad` differentiates the trainable
@@ -113,7 +114,7 @@ class Trainer:
         if cfg.tiny:
             self.model = rl.tiny_model(tokenizer.vocab_size, tokenizer.eos_token_ids, seed=cfg.seed)
         else:
-            self.model, _ = load_model(cfg.model)  # the trainer's own copy (the engine keeps another)
+            self.model, _ = load_model(cfg.model)  # the trainer's copy, which the engine shares (`share_weights`)
         self.tokenizer = tokenizer
         mcfg = self.model.config
         self.first = max(0, mcfg.num_hidden_layers - cfg.train_layers)  # first trained layer
@@ -145,7 +146,7 @@ class Trainer:
         cfg = self.cfg
         return Engine.from_model(self.model, self.tokenizer, max_num_seqs=max(64, cfg.prompts_per_step * cfg.group_size),
                                  max_model_len=self.seq_len, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                                 seed=cfg.seed, **config)
+                                 seed=cfg.seed, share_weights=True, **config)
 
     def sampling_params(self, step: int, num_prompts: int) -> list[SamplingParams]:
         """One per prompt, each with its own seed: a request's noise is keyed by (seed, sample, position),

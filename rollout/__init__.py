@@ -1,4 +1,5 @@
-"""jax-rollout public API: `Engine`, `AsyncEngine`, `SamplingParams`, outputs, `Trajectory`, `load_tokenizer`, `NgramConfig`, `Eagle3Config`.
+"""jax-rollout public API: `Engine`, `AsyncEngine`, `SamplingParams`, outputs, `Trajectory`, `load_tokenizer`, `NgramConfig`, `Eagle3Config`,
+`SharedWeightsDeleted`.
 
 Names are imported lazily so that the host-side scheduler and block manager stay importable
 (and testable) without JAX.
@@ -23,6 +24,7 @@ _EXPORTS = {
     "load_tokenizer": "rollout.tokenizer",
     "NgramConfig": "runner.spec_decode.ngram",
     "Eagle3Config": "runner.spec_decode.eagle3_config",
+    "SharedWeightsDeleted": "runner.device_weights",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -68,8 +68,11 @@ class Engine:
     @classmethod
     def from_model(cls, model: CausalLM, tokenizer: Tokenizer, *,
                    mesh: Mesh | tuple[int, int] | None = None, **config: object) -> "Engine":
-        """Serve a model the trainer already holds (the engine keeps its own copy of the parameters;
-        push updates with `sync_weights`)."""
+        """Serve a model the trainer already holds; push updates with `sync_weights`. By default the engine
+        keeps its own copy of the parameters; with `share_weights=True` (an `EngineConfig` field) the
+        parameters already laid out as the engine's are the trainer's own arrays (no second copy), and a
+        `sync_weights` of such a tree swaps references. A trainer that then donates or deletes those arrays
+        gets `SharedWeightsDeleted` at the next step: sync the new ones first."""
         return cls(model, tokenizer, EngineConfig(**config), mesh)
 
     @property
@@ -129,10 +132,11 @@ class Engine:
     def sync_weights(self, params: object, mapping: str | tuple | list | None = None, *,
                      version: int | None = None, check_finite: bool = False,
                      draft_params: object | None = None, draft_mapping: str | tuple | list | None = None,
-                     recompute_running: bool = False) -> None:
+                     recompute_running: bool = False, share_weights: bool | None = None) -> None:
         """New policy parameters, in place, between steps (no reload, no compile). `EngineCore.sync_weights`."""
         self.core.sync_weights(params, mapping, version=version, check_finite=check_finite, draft_params=draft_params,
-                               draft_mapping=draft_mapping, recompute_running=recompute_running)
+                               draft_mapping=draft_mapping, recompute_running=recompute_running,
+                               share_weights=share_weights)
 
     # ---- blocking clients -------------------------------------------------------------------
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,

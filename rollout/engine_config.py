@@ -41,6 +41,15 @@ class EngineConfig:
     # `RolloutBatch.routed_experts`), prefix-cached prompt tokens included; not with EAGLE-3
     record_routed_experts: bool = False
     enable_prefix_caching: bool = True
+    # Colocated with a trainer (`Engine.from_model`): parameters already laid out as the engine's (same
+    # shape, dtype, sharding) are the trainer's arrays, no second copy; `sync_weights` of such a tree swaps
+    # references. Leaves needing a transform, and the backend's packed copies, are the engine's own.
+    share_weights: bool = False
+    # The KV cache as a fraction of the device memory free once the weights are placed (vLLM's
+    # gpu_memory_utilization, for the cache alone); the rest is left to the step programs' working memory
+    # and the trainer (`stats()` reports weight, KV and program bytes per device). Overrides the default
+    # size; `kv_cache_blocks` / `kv_cache_memory_bytes` override it.
+    kv_cache_memory_fraction: float | None = None
     speculative: NgramConfig | Eagle3Config | None = None  # draft (n-gram lookup or an EAGLE-3 head), verified
     # The kernel backend (`runner/backends/`): "auto" (the devices' platform: "cpu", "gpu" or "tpu"),
     # or "reference" (pure JAX everywhere, the oracle). Chosen once, when the engine is built.
@@ -102,6 +111,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.max_num_batched_tokens < 32:
             raise ValueError(f"max_num_batched_tokens must be >= 32, got {self.max_num_batched_tokens}")
+        fraction = self.kv_cache_memory_fraction
+        if fraction is not None and (not isinstance(fraction, (int, float)) or not 0.0 < fraction < 1.0):
+            raise ValueError(f"kv_cache_memory_fraction must be a number in (0, 1) or None, got {fraction!r}")
         if self.kv_cache_blocks is not None and self.kv_cache_blocks < 1:
             raise ValueError(f"kv_cache_blocks must be >= 1, got {self.kv_cache_blocks}")
         if self.speculative is not None and not isinstance(self.speculative, (NgramConfig, Eagle3Config)):
@@ -112,7 +124,7 @@ class EngineConfig:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         for name in ("cpu_row_kernel", "cpu_amx", "cpu_bf16_matmul", "async_scheduling", "enable_prefix_caching",
-                     "batch_invariant", "freeze_gc"):
+                     "batch_invariant", "freeze_gc", "share_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.cpu_amx_from_rows, int) or self.cpu_amx_from_rows < 1:
@@ -155,7 +167,8 @@ class EngineConfig:
         return RunnerOptions(
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len, block_size=self.block_size, kv_cache_blocks=self.kv_cache_blocks,
-            kv_cache_memory_bytes=self.kv_cache_memory_bytes, backend=self.backend,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes, kv_cache_memory_fraction=self.kv_cache_memory_fraction,
+            share_weights=self.share_weights, backend=self.backend,
             attention_backend=self.attention_backend, cpu_row_kernel=self.cpu_row_kernel, cpu_amx=self.cpu_amx,
             cpu_amx_from_rows=self.cpu_amx_from_rows, cpu_bf16_matmul=self.cpu_bf16_matmul,
             batch_invariant=self.batch_invariant,
@@ -199,6 +212,13 @@ class EngineStats:
     # per chip generation (`runner.tpu_attention`)
     attention_kernel: str = ""
     batch_invariant: str = ""  # "on: ..." (which kernels sum each row alike) or "off" (`EngineConfig.batch_invariant`)
+    # memory per device (`runner.model_runner.RunnerMemory`): the trainer's weights the engine reads
+    # (`share_weights`), the engine's own (copies, packed copies), the KV cache, the largest step program's
+    # working memory and code
+    weight_bytes_shared: int = 0
+    weight_bytes_held: int = 0
+    kv_cache_bytes: int = 0
+    program_bytes: int = 0
 
     @property
     def generated_tokens_per_second(self) -> float:

@@ -151,7 +151,9 @@ class EngineCore:
         With `EngineConfig.async_scheduling`, a decode loop launches the next one before its own tokens
         reach the host (the device feeds them), so the device runs while the host applies them. A loop
         launched ahead whose sequences all ended meanwhile (a stop id or EOS the host had not seen) is
-        collected at once: no request is left unfinished with a call in flight."""
+        collected at once: no request is left unfinished with a call in flight. Raises
+        `SharedWeightsDeleted` before anything runs if the trainer deleted arrays the engine shares."""
+        self.runner.weights.check()
         batch = self._execute(overlap=self.config.async_scheduling)
         outputs, self._deferred = self._deferred + self.requests.report(batch.seqs), []
         if self._ahead is not None and all(s.is_finished for s in self._ahead[0].seqs):
@@ -221,7 +223,7 @@ class EngineCore:
     def sync_weights(self, params: object, mapping: str | tuple | list | None = None, *,
                      version: int | None = None, check_finite: bool = False,
                      draft_params: object | None = None, draft_mapping: str | tuple | list | None = None,
-                     recompute_running: bool = False) -> None:
+                     recompute_running: bool = False, share_weights: bool | None = None) -> None:
         """Put new policy parameters into the engine in place: no reload, no recompilation. Legal
         between any two steps, with requests running.
 
@@ -236,18 +238,21 @@ class EngineCore:
         (PipelineRL's in-flight update); `recompute_running=True` recomputes it under the new weights
         first (their tokens so far are kept). Tokens sampled from now on record `version` (default:
         previous version + 1). `EngineConfig.max_policy_lag` then aborts (or recomputes) samples that
-        began too many versions ago; their outputs wait for `step()`.
+        began too many versions ago; their outputs wait for `step()`. `share_weights` (default
+        `EngineConfig.share_weights`): arrays already laid out as the engine's (same path, shape, dtype and
+        sharding) become the engine's without a copy (a reference swap; packed copies are recomputed).
         """
         if self._in_step:
             raise RuntimeError("sync_weights() was called inside an engine step (while generate() is running "
                                "one, say); call it between steps")
         if self.runner.released:
             raise RuntimeError("sync_weights() while the engine is asleep: call wake() first")
-        plans = self.weights.check(params, mapping, check_finite=check_finite, draft_params=draft_params,
+        checked = self.weights.check(params, mapping, check_finite=check_finite, draft_params=draft_params,
                                    draft_mapping=draft_mapping)
         self._drain()  # tokens of a call launched ahead were sampled under the old weights
         try:
-            self.weights.write(plans, params, draft_params, check_finite=check_finite)
+            share = self.config.share_weights if share_weights is None else share_weights
+            self.weights.write(checked, draft_params, check_finite=check_finite, share=share)
         finally:  # even a sync that failed part way (device memory) may have changed weights
             self.block_manager.invalidate_prefix_cache()
         self.policy_version = version if version is not None else (self.policy_version or 0) + 1
@@ -265,7 +270,7 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         """Counters since the engine was built (a copy), with the backend's kernel choices."""
-        backend = self.runner.backend.status()
+        backend, memory = self.runner.backend.status(), self.runner.memory()
         return dataclasses.replace(
             self.stats_, num_sequences=self.requests.num_sequences, num_preemptions=self.scheduler.num_preemptions,
             num_lag_held=self.scheduler.num_held, prefix_cache_hit_tokens=self.block_manager.num_cache_hit_tokens,
@@ -273,5 +278,6 @@ class EngineCore:
             num_compilations=num_compilations() - self._compiles_at_start,
             backend=backend.name, cpu_row_kernel=backend.matmul, cpu_amx=backend.amx, attention_impl=backend.attention,
             cpu_bf16_matmul=backend.bf16_matmul, batch_invariant=backend.batch_invariant,
-            attention_kernel=backend.attention_kernel,
+            attention_kernel=backend.attention_kernel, weight_bytes_shared=memory.weights_shared,
+            weight_bytes_held=memory.weights_held, kv_cache_bytes=memory.kv_cache, program_bytes=memory.programs,
             speculative=dataclasses.replace(self.speculator.stats) if self.speculator is not None else None)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+from flax import nnx
 from jax.sharding import Mesh
 
 from runner.backends import select_backend
@@ -30,6 +32,8 @@ class RunnerOptions:
     block_size: int = 16
     kv_cache_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
+    kv_cache_memory_fraction: float | None = None  # of the device memory free now (`kv_memory_budget`)
+    share_weights: bool = False
     backend: str = "auto"
     attention_backend: str = "auto"
     cpu_row_kernel: bool = True
@@ -46,16 +50,34 @@ class RunnerOptions:
     record_routing: bool = False
 
 
-def kv_cache_spec(model: CausalLM, options: RunnerOptions, num_replicas: int) -> KVCacheSpec:
-    """The paged cache for `options` (blocks given, or a memory budget, or one full sequence per slot),
-    its block count per replica times `num_replicas`."""
-    cfg, block_size = model.config, options.block_size
+def kv_memory_budget(mesh: Mesh, fraction: float, num_kv_heads: int, weight_bytes: int) -> int:
+    """Bytes one replica's KV cache may take: `fraction` of the memory free once the engine's own weight copy
+    (`weight_bytes` per replica, 0 when it shares the trainer's) is placed: an accelerator's own memory, split
+    over the `model` axis where the KV heads divide; a CPU's host memory, shared by every replica."""
+    stats = mesh.devices.flat[0].memory_stats() or {}
+    model_axis = mesh.shape["model"]
+    if "bytes_limit" in stats:
+        free = min(d.memory_stats()["bytes_limit"] - d.memory_stats()["bytes_in_use"] for d in mesh.devices.flat)
+        free -= weight_bytes // model_axis
+        return max(0, int(fraction * free * (model_axis if num_kv_heads % model_axis == 0 else 1)))
+    with open("/proc/meminfo") as f:
+        info = dict(line.split(":", 1) for line in f)
+    available = int(info["MemAvailable"].split()[0]) * 1024 - weight_bytes * mesh.shape["data"]
+    return max(0, int(fraction * available / mesh.shape["data"]))
+
+
+def kv_cache_spec(model: CausalLM, options: RunnerOptions, mesh: Mesh) -> KVCacheSpec:
+    """The paged cache for `options` (blocks given, or a memory budget: bytes, or a fraction of free memory;
+    else one full sequence per slot), its block count per replica times the mesh's replicas."""
+    cfg, block_size, num_replicas = model.config, options.block_size, mesh.shape["data"]
     max_pages = -(-options.max_model_len // block_size)
-    num_blocks = options.kv_cache_blocks
-    if num_blocks is None and options.kv_cache_memory_bytes is None:
+    num_blocks, memory_bytes = options.kv_cache_blocks, options.kv_cache_memory_bytes
+    if num_blocks is None and memory_bytes is None and options.kv_cache_memory_fraction is not None:
+        own = 0 if options.share_weights else sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+        memory_bytes = kv_memory_budget(mesh, options.kv_cache_memory_fraction, cfg.num_key_value_heads, own)
+    if num_blocks is None and memory_bytes is None:
         num_blocks = options.max_num_seqs * max_pages
-    spec = KVCacheSpec.for_model(cfg, block_size=block_size, num_blocks=num_blocks,
-                                 memory_bytes=options.kv_cache_memory_bytes)
+    spec = KVCacheSpec.for_model(cfg, block_size=block_size, num_blocks=num_blocks, memory_bytes=memory_bytes)
     if spec.num_blocks < max_pages:
         raise ValueError(f"the KV cache ({spec.num_blocks} blocks of {block_size}) cannot hold one sequence "
                          f"of max_model_len={options.max_model_len}; give at least {max_pages} blocks")
@@ -71,7 +93,7 @@ def build_runner(model: CausalLM, mesh: Mesh, options: RunnerOptions, *, abstrac
     if not abstract:
         model = with_head_layout(model, mesh.shape["model"])
     cfg = model.config
-    kv_spec = kv_cache_spec(model, options, mesh.shape["data"])
+    kv_spec = kv_cache_spec(model, options, mesh)
     backend = select_backend(options.backend, mesh, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
                              cache_dtype=kv_spec.dtype, attention_backend=options.attention_backend,
                              cpu_row_kernel=options.cpu_row_kernel, cpu_amx=options.cpu_amx,
@@ -93,4 +115,4 @@ def build_runner(model: CausalLM, mesh: Mesh, options: RunnerOptions, *, abstrac
                        draft_min_confidence=eagle3.min_confidence if eagle3 is not None else 0.0,
                        num_verify_steps=eagle3.num_verify_steps if eagle3 is not None else 1,
                        executable_dir=None if abstract else options.executable_dir,
-                       record_routing=options.record_routing, abstract=abstract)
+                       record_routing=options.record_routing, abstract=abstract, share_weights=options.share_weights)

@@ -193,6 +193,17 @@ class StoredProgram:
                                                               compiled))
         return compiled.out_info if self.abstract else compiled(*args)
 
+    def working_bytes(self) -> int:
+        """The largest temporary memory one of the programs compiled or loaded so far needs, plus their code,
+        per device (`Compiled.memory_analysis`; a backend that does not report one counts 0)."""
+        temp = code = 0
+        for compiled in self._compiled.values():
+            analysis = compiled.memory_analysis()
+            if analysis is not None:
+                temp = max(temp, int(analysis.temp_size_in_bytes))
+                code += int(analysis.generated_code_size_in_bytes)
+        return temp + code
+
     def _load_or_compile(self, key: tuple[object, ...], args: tuple[object, ...],
                          static: dict[str, object]) -> jax.stages.Compiled:
         if self.store is None:

@@ -24,9 +24,10 @@ from runner.buckets import BucketConfig
 from runner.executable_store import CompiledProgram, StoredProgram, abstract_put, open_store
 from runner.kv_cache import KVCacheSpec, allocate_kv_caches
 from runner.models.family import CausalLM, KVCaches
+from runner.device_weights import DeviceWeights, Leaves
 from runner.models.registry import get_family
-from runner.plan_programs import PROGRAMS, Launch, Leaves, Programs
-from runner.sharding import kv_cache_sharding, make_mesh, shard_params
+from runner.plan_programs import PROGRAMS, Launch, Programs
+from runner.sharding import kv_cache_sharding, make_mesh
 from runner.spec_decode.eagle3 import Eagle3Head
 from runner.spec_decode.eagle3_drafter import Eagle3Drafter
 from runner.step_padding import pad_plan
@@ -34,6 +35,22 @@ from runner.step_plan import StepPlan
 from runner.step_program import compiled_chunk, compiled_step
 from runner.step_result import PendingStep, StepResult
 from runner.warmup_steps import DummySteps, WarmupProgram
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerMemory:
+    """Bytes per device: the trainer's arrays the engine reads (shared weights), the engine's own weights
+    (copies, packed copies, the rest of the model state), the KV cache, and the largest step program's
+    working memory and code."""
+
+    weights_shared: int
+    weights_held: int
+    kv_cache: int
+    programs: int
+
+
+def _first_shard_bytes(x: Array) -> int:
+    return int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
 
 
 class ModelRunner:
@@ -44,7 +61,8 @@ class ModelRunner:
                  backend: Backend | None = None,
                  draft_head: Eagle3Head | None = None, num_scheduler_steps: int = 1,
                  draft_min_confidence: float = 0.0, num_verify_steps: int = 1,
-                 executable_dir: str | None = None, record_routing: bool = False, abstract: bool = False) -> None:
+                 executable_dir: str | None = None, record_routing: bool = False, abstract: bool = False,
+                 share_weights: bool = False) -> None:
         """`draft_min_confidence > 0`: a verification step whose sequences' first drafts all have a lower
         probability under the head decodes plainly in the same program (`Eagle3Drafter.verify`).
         `num_verify_steps > 1`: with a draft head, verification may also run up to that many
@@ -55,7 +73,8 @@ class ModelRunner:
         returns each computed token's experts in every routed-experts layer (`StepResult.routed_experts`).
         `abstract`: the model and the runner's state are shapes and shardings only (`jax.ShapeDtypeStruct`,
         on devices that need not exist: a TPU topology's); `launch` compiles instead of running, and
-        `warmup()` compiles every program ahead of time (`compiled_programs`)."""
+        `warmup()` compiles every program ahead of time (`compiled_programs`). `share_weights`: parameters already
+        laid out as the engine lays them out are the model's own arrays, not copies (`DeviceWeights`)."""
         if not 0.0 <= draft_min_confidence <= 1.0:
             raise ValueError(f"draft_min_confidence must be in [0, 1], got {draft_min_confidence}")
         self.draft_min_confidence = draft_min_confidence
@@ -94,30 +113,23 @@ class ModelRunner:
         step_fn = StoredProgram(compiled_step(graphdef, *defs, pinned), "step", 3, devices, store, abstract)
         loop_fn = StoredProgram(compiled_chunk(graphdef, *defs, pinned), "chunk", 3, devices, store, abstract)
         self._graph = f"{graphdef!r}|{defs}|{pinned}"
-        # The runner owns its copy (a trainer may update or donate its arrays at any time), laid out
-        # by the sharding rules. `device_put(may_alias=False)` copies in the runtime: `x.copy()` compiled
-        # (or loaded from the persistent cache) a program per parameter shape, ~1 s of each start.
-        put = abstract_put if abstract else jax.device_put
-        copy = (lambda x: x) if abstract else (lambda x: jax.device_put(x, may_alias=False))  # noqa: E731
-        self.params = shard_params(jax.tree.map(copy, params), self.mesh, get_family(model.config.family).logical_axes,
-                                   put=put)
+        repack = (jax.jit(functools.partial(self.backend.refresh, graphdef), donate_argnums=1)
+                  if self.backend.packs_weights else None)
+        self.weights = DeviceWeights(params, rest, self.mesh, get_family(model.config.family).logical_axes,
+                                     share=share_weights, abstract=abstract, repack=repack)
         self._scalar_sharding = NamedSharding(self.mesh, PartitionSpec())
-        self.rest = jax.tree.map(lambda x: put(copy(x), self._scalar_sharding), rest)
+        put = abstract_put if abstract else jax.device_put
         self.kv_spec = kv_spec
         self._kv_layout = (kv_shape, self.attention.layout.storage_dtype(kv_spec.dtype), kv_spec.num_layers, kv_sharding)
         self.kv_caches: KVCaches | None = (  # None while released
             tuple(jax.ShapeDtypeStruct(kv_shape, self._kv_layout[1], sharding=kv_sharding)
                   for _ in range(kv_spec.num_layers)) if abstract else allocate_kv_caches(*self._kv_layout))
-        self._offloaded: tuple[list[np.ndarray], list[np.ndarray]] | None = None  # weights on the host (`release`)
         self._input_sharding = (self._scalar_sharding if kv_spec.num_replicas == 1
                                 else NamedSharding(self.mesh, PartitionSpec("data")))
         self.buckets = buckets
         self.max_logprobs = max_logprobs
         self.max_kept_ids = max_kept_ids  # kept ids a step with a sampling record returns per row
         self.config = model.config
-        self._repack = (jax.jit(functools.partial(self.backend.refresh, graphdef), donate_argnums=1)
-                        if self.backend.packs_weights else None)
-        self._packed_from = tuple(map(id, jax.tree.leaves(self.params)))
         self.drafter = None if draft_head is None else Eagle3Drafter(draft_head, graphdef, defs, kv_spec, self.mesh,
                                                                      pinned, store)
         # a decode loop reads its fed tokens from here when none are fed (fixed size: every bucket fits)
@@ -128,6 +140,13 @@ class ModelRunner:
         self.dummy_steps = DummySteps(buckets, kv_spec, num_verify_steps,
                                       has_drafter=draft_head is not None, max_logprobs=max_logprobs)
 
+    def memory(self) -> RunnerMemory:
+        """What the runner holds per device (the first device of the mesh)."""
+        shared, held = self.weights.nbytes_per_device()
+        kv = sum(_first_shard_bytes(c) for c in self.kv_caches) if self.kv_caches is not None else 0
+        programs = [self.programs.step, self.programs.loop]
+        return RunnerMemory(shared, held, kv, max((p.working_bytes() for p in programs), default=0))
+
     @property
     def attention_impl(self) -> str:
         """The attention impl every step runs (`runner.backends.attention_kernels.ATTENTION_IMPLS`)."""
@@ -136,7 +155,7 @@ class ModelRunner:
     @property
     def model(self) -> CausalLM:
         """The model bound to the runner's current parameters."""
-        self._refresh_packed(jax.tree.leaves(self.params))
+        self.weights.leaves()
         return nnx.merge(self.graphdef, self.params, self.rest)
 
     def run(self, plan: StepPlan) -> StepResult:
@@ -170,13 +189,17 @@ class ModelRunner:
             plan, device_batch, layout, self._leaves(), num_top, num_kept, after))
         return pending
 
+    @property
+    def params(self) -> nnx.State:
+        """The parameters (the target of a weight sync: `DeviceWeights`)."""
+        return self.weights.params
+
+    @property
+    def rest(self) -> nnx.State:
+        return self.weights.rest
+
     def _leaves(self) -> Leaves:
-        """Params and rest as the flat leaf lists the compiled programs take; taken per call (not
-        cached), so a `sync_weights` that updates `self.params` in place is seen (and the AMX-packed
-        kernels in `rest` are recomputed from the new arrays first)."""
-        params = jax.tree.leaves(self.params)
-        self._refresh_packed(params)
-        return params, jax.tree.leaves(self.rest)
+        return self.weights.leaves()
 
     def _set_program_identity(self) -> None:
         """Key the stored programs on the current parameters', packed weights' and caches' layouts."""
@@ -199,47 +222,30 @@ class ModelRunner:
 
     def release(self, *, offload_weights: bool = False) -> None:
         """Free the KV cache's device memory (its contents are lost) and, with `offload_weights`, move the
-        parameters to host memory; `restore()` brings both back with the same shapes and shardings."""
+        engine's own parameters to host memory (never the trainer's, with shared weights); `restore()`
+        brings both back with the same shapes and shardings."""
         if self.kv_caches is not None:
             for cache in self.kv_caches:
                 cache.delete()
             self.kv_caches = None
-        if offload_weights and self._offloaded is None:
-            arrays = (jax.tree.leaves(self.params), jax.tree.leaves(self.rest))
-            self._offloaded = jax.device_get(arrays)
-            self._offload_shardings = jax.tree.map(lambda x: x.sharding, arrays)
-            for x in (*arrays[0], *arrays[1]):
-                x.delete()
+        if offload_weights:
+            self.weights.release()
 
     def restore(self) -> None:
         """Undo `release`: a zeroed KV cache (no program compiled) and the parameters back on the devices."""
         if self.kv_caches is None:
             self.kv_caches = allocate_kv_caches(*self._kv_layout)
-        if self._offloaded is not None:
-            params, rest = jax.device_put(self._offloaded, self._offload_shardings)
-            self.params = jax.tree.unflatten(jax.tree.structure(self.params), params)
-            self.rest = jax.tree.unflatten(jax.tree.structure(self.rest), rest)
-            self._packed_from = tuple(map(id, jax.tree.leaves(self.params)))  # `rest` came back packed as it was
-            self._offloaded = None
+        self.weights.restore()
         self._set_program_identity()
 
     @property
     def released(self) -> bool:
-        return self.kv_caches is None or self._offloaded is not None
+        return self.kv_caches is None or self.weights.released
 
     def weights_updated(self) -> None:
         """After `sync_weights` wrote new arrays: recompute the packed weights now, inside the sync
         (else the next step would pay for it); returns when the new arrays are ready."""
-        self._refresh_packed(jax.tree.leaves(self.params))
-        jax.block_until_ready((self.params, self.rest))
-        self._set_program_identity()
-
-    def _refresh_packed(self, params: list[Array]) -> None:
-        """Recompute the backend's packed weights in `rest` if any parameter array was replaced since."""
-        ids = tuple(map(id, params))
-        if self._repack is not None and ids != self._packed_from:
-            self.rest = self._repack(self.params, self.rest)
-            self._packed_from = ids
+        jax.block_until_ready(self.weights.leaves())  # (the programs' identity stays: layouts never change)
 
     def warmup(self, *, prompt_logprobs: bool = False, speculative_k: int = 0, rejection: bool = False,
                use_tqdm: bool = False) -> int:
@@ -258,8 +264,8 @@ class ModelRunner:
                 for program in (p for p in self.compiled_programs if id(p) not in before):
                     self.warmup_programs.append(WarmupProgram(step, program))
             return len(self.compiled_programs)
-        if self._repack is not None:  # the repacking program a weight sync runs
-            self.rest = self._repack(self.params, self.rest)
+        if self.backend.packs_weights:  # the repacking program a weight sync runs
+            self.weights.repack()
             count += 1
         steps = list(self.dummy_steps.every_bucket(prompt_logprobs=prompt_logprobs, speculative_k=speculative_k,
                                                    rejection=rejection))

@@ -16,6 +16,7 @@ import numpy as np
 from jaxtyping import Array
 
 from runner.buckets import BucketConfig
+from runner.device_weights import Leaves
 from runner.executable_store import StoredProgram
 from runner.models.family import KVCaches
 from runner.sampler import SamplerOutput
@@ -24,7 +25,6 @@ from runner.step_padding import BucketShape, DeviceBatch, ReplicaLayout, decode_
 from runner.step_plan import PlanKind, StepPlan
 from runner.step_result import PendingStep, StepResult, sampled_rows
 
-Leaves = tuple[list[Array], list[Array]]  # the parameters and the rest of the model state, as leaf lists
 
 
 @dataclasses.dataclass(frozen=True)

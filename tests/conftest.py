@@ -52,7 +52,7 @@ FILE_SECONDS = {
     "test_multihost.py": 26, "test_weight_sync.py": 23, "test_cpu_attention.py": 20, "test_row_matmul.py": 17,
     "test_tokenizer.py": 11, "test_amx_matmul.py": 14, "test_engine_requests.py": 80, "test_async_engine.py": 40,
     "test_request_semantics.py": 20, "test_server.py": 70, "test_compilation_cache.py": 70, "test_moe.py": 40, "test_sleep.py": 15,
-    "test_routed_experts.py": 60, "test_batch_invariance.py": 250,
+    "test_routed_experts.py": 60, "test_batch_invariance.py": 250, "test_colocation.py": 35,
 }
 
 

@@ -4,8 +4,10 @@ For each target tensor (in target order):
 
 - trivial op (same layout and dtype) on device: `jax.device_put(x, target.sharding,
   may_alias=False)`, copied once more when the result still holds one of the source's buffers
-  (a replicated target reuses the source's shard on its device) — always a fresh copy, so the
-  engine never shares a buffer with the trainer (which may donate or delete its own);
+  (a replicated target reuses the source's shard on its device) — a fresh copy, so the engine
+  never shares a buffer with the trainer (which may donate or delete its own); unless `share=True`
+  and the source is already in the target's sharding: then the target is the source array itself
+  (a reference swap: no bytes move, no device work);
 - host (numpy) sources: transform with numpy, then `jax.device_put` to the target sharding;
 - device sources on the target's devices: one cached jitted transform with
   `out_shardings=target.sharding`;
@@ -15,12 +17,14 @@ For each target tensor (in target order):
 
 The new array replaces the old one (an NNX Variable's value is set in place; a plain dict target
 gets a new tree back) and the old buffer is deleted at once unless a source array is that very
-object. Peak extra memory is therefore about one tensor, and shapes, dtypes and shardings of the
+object or `delete_old` says not to (an array the target shared with an earlier source is not its to
+delete). Peak extra memory is therefore about one tensor, and shapes, dtypes and shardings of the
 target never change, so jitted engine steps are reused.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -49,13 +53,22 @@ def reject_non_finite(src: FlatTree, paths: list[str]) -> None:
         raise WeightSyncError(bad)
 
 
-def produce(xs: list[jax.Array | np.ndarray], op: TargetOp, sharding: jax.sharding.Sharding) -> jax.Array:
+@functools.cache
+def _dtype_name(dtype: np.dtype) -> str:
+    return str(jnp.dtype(dtype))
+
+
+def produce(xs: list[jax.Array | np.ndarray], op: TargetOp, sharding: jax.sharding.Sharding, *,
+            share: bool = False) -> jax.Array:
     """The op's target tensor, laid out in `sharding` (see the module docstring)."""
     t = op.transform
     if all(isinstance(x, np.ndarray) for x in xs):
         return jax.device_put(tf.on_host(xs, t), sharding)
     xs = [jnp.asarray(x) if isinstance(x, np.ndarray) else x for x in xs]
-    if len(xs) == 1 and t.is_trivial(str(jnp.dtype(xs[0].dtype))):
+    trivial = len(xs) == 1 and t.is_trivial(_dtype_name(xs[0].dtype))
+    if share and trivial and (xs[0].sharding == sharding or xs[0].sharding.is_equivalent_to(sharding, xs[0].ndim)):
+        return xs[0]
+    if trivial:
         out = jax.device_put(xs[0], sharding, may_alias=False)
         return jnp.copy(out) if _shares_buffers(out, xs[0]) else out
     if all(x.sharding.device_set == sharding.device_set for x in xs):
@@ -84,15 +97,18 @@ def abstract_leaves(src: FlatTree, tgt: FlatTree) -> list[str]:
             if isinstance(x, jax.ShapeDtypeStruct)]
 
 
-def apply(plan: SyncPlan, src_tree: PyTree, target_state: PyTree, *, check_finite: bool = False,
-          delete_old: bool = True, on_tensor: Callable[[str], None] | None = None) -> PyTree:
+def apply(plan: SyncPlan, src_tree: PyTree | FlatTree, target_state: PyTree | FlatTree, *, check_finite: bool = False,
+          delete_old: bool | Callable[[jax.Array], bool] = True, share: bool = False,
+          on_tensor: Callable[[str], None] | None = None) -> PyTree:
     """Sync `src_tree` into `target_state` following `plan`; returns the updated target.
 
     An `nnx.State` (or any tree of NNX Variables) is updated in place and returned; a tree of
     plain arrays is left as is and a new tree is returned (its old buffers are deleted unless
-    `delete_old=False`). `check_finite=True` rejects NaN/Inf in any used source before anything
-    changes. `on_tensor(path)` is called right after each new target tensor exists and before
-    the old buffer is freed (the moment of peak memory; used by the benchmark).
+    `delete_old` is False, or returns False for them). `share=True`: a target the source fills as it is
+    becomes the source array (no copy). `check_finite=True` rejects NaN/Inf in any used source before
+    anything changes. `on_tensor(path)` is called right after each new target tensor exists and before
+    the old buffer is freed (the moment of peak memory; used by the benchmark). Either tree may come
+    flattened already (`flatten`).
     """
     src, tgt = flatten(src_tree, what="source"), flatten(target_state, what="target")
     check_structure(plan, src, tgt)
@@ -106,14 +122,15 @@ def apply(plan: SyncPlan, src_tree: PyTree, target_state: PyTree, *, check_finit
     for op in plan.ops:
         i = t_idx[op.target]
         old = tgt.leaves[i]
-        new = produce([src.leaves[s_idx[p]] for p in op.sources], op, old.sharding)
+        new = produce([src.leaves[s_idx[p]] for p in op.sources], op, old.sharding, share=share)
         if on_tensor is not None:
             on_tensor(op.target)
         var = tgt.variables[i]
         if var is not None:
             var.set_value(new)
         new_leaves[i] = new
-        if delete_old and new is not old and id(old) not in source_ids and isinstance(old, jax.Array):
+        ours = delete_old(old) if callable(delete_old) else delete_old
+        if ours and new is not old and id(old) not in source_ids and isinstance(old, jax.Array):
             old.delete()
     if all(v is not None for v in tgt.variables):
         return target_state

@@ -34,9 +34,9 @@ class FlatTree:
     def index(self) -> dict[str, int]:
         return {p: i for i, p in enumerate(self.paths)}
 
-    def signature(self) -> tuple[tuple[str, tuple[int, ...], str], ...]:
-        """(path, shape, dtype) of every leaf: what a plan depends on."""
-        return tuple((p, tuple(x.shape), str(jnp.dtype(x.dtype))) for p, x in zip(self.paths, self.leaves))
+    def signature(self) -> tuple[object, ...]:
+        """The structure (paths) and every leaf's shape and dtype: what a plan depends on."""
+        return (self.paths, tuple((tuple(x.shape), x.dtype) for x in self.leaves))
 
 
 def _key_str(key: object) -> str:
@@ -50,30 +50,55 @@ def _is_leaf(x: object) -> bool:
     return isinstance(x, nnx.Variable)
 
 
-def flatten(tree: PyTree, *, what: str = "tree") -> FlatTree:
-    """Flatten `tree`; raises WeightSyncError on non-array leaves or on two leaves with one path."""
-    pairs, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_leaf)
-    paths: list[str] = []
-    leaves: list[Leaf] = []
-    variables: list[nnx.Variable | None] = []
+def _paths(tree: PyTree) -> tuple[str, ...]:
+    """Every leaf's dot-joined path, in flattening order."""
+    pairs, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_leaf)
+    paths = []
+    for keys, _leaf in pairs:
+        comps = [_key_str(k) for k in keys]
+        paths.append(".".join(comps[1:] if comps and comps[0] == "params" else comps))
+    return tuple(paths)
+
+
+_PLAIN = (type(jnp.zeros(())), np.ndarray, jax.ShapeDtypeStruct)
+
+
+def _values(items: list[object], variables: tuple[nnx.Variable | None, ...]) -> tuple[Leaf, ...]:
+    """Each leaf's value: a Variable's own array where it holds a plain one (`get_value` costs ~10x more per
+    leaf: a sync of a few hundred tensors paid milliseconds for it), else what `get_value` gives."""
+    raw = jax.tree_util.tree_leaves(items)
+    if len(raw) != len(items):
+        return tuple(v.get_value() if v is not None else x for x, v in zip(items, variables))
+    return tuple(r if type(r) in _PLAIN and (v is None or "on_get_value" not in v.get_metadata()) else
+                 (v.get_value() if v is not None else x) for x, v, r in zip(items, variables, raw))
+
+
+_PATHS: dict[jax.tree_util.PyTreeDef, tuple[str, ...]] = {}  # a structure's paths (a sync repeats one)
+
+
+def flatten(tree: PyTree | FlatTree, *, what: str = "tree") -> FlatTree:
+    """Flatten `tree` (a `FlatTree` is returned as is); raises WeightSyncError on non-array leaves or on two
+    leaves with one path."""
+    if isinstance(tree, FlatTree):
+        return tree
+    items, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_leaf)
+    paths = _PATHS.get(treedef)
+    if paths is None:
+        paths = _paths(tree)
+        if len(set(paths)) == len(paths):
+            if len(_PATHS) >= 64:
+                _PATHS.pop(next(iter(_PATHS)))
+            _PATHS[treedef] = paths
+    variables = tuple(x if isinstance(x, nnx.Variable) else None for x in items)
+    leaves = _values(items, variables)
     problems: list[str] = []
     seen: set[str] = set()
-    for keys, leaf in pairs:
-        comps = [_key_str(k) for k in keys]
-        if comps and comps[0] == "params":
-            comps = comps[1:]
-        path = ".".join(comps)
-        var = leaf if isinstance(leaf, nnx.Variable) else None
-        value = leaf.get_value() if var is not None else leaf
+    for path, value in zip(paths, leaves):
         if not (hasattr(value, "shape") and hasattr(value, "dtype")):
             problems.append(f"{what} leaf {path!r} is not an array ({type(value).__name__})")
-            continue
         if path in seen:
             problems.append(f"{what} has two leaves named {path!r}")
         seen.add(path)
-        paths.append(path)
-        leaves.append(value)
-        variables.append(var)
     if problems:
         raise WeightSyncError(problems)
-    return FlatTree(tuple(paths), tuple(leaves), tuple(variables), treedef)
+    return FlatTree(paths, leaves, variables, treedef)
