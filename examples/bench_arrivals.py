@@ -34,12 +34,6 @@ import bench_common as bc
 OBSERVATION = " Observation: the tool returned 3 rows; the first is 17, the second 4 and the third 9. Next:"
 
 
-def r2_prompt(i: int) -> str:
-    """Workload R2's prompt i: a ~300-token preamble of rules, then R1's prompt i."""
-    preamble = " ".join(f"Rule {k}: answer briefly, show each step, and check the arithmetic." for k in range(1, 25))
-    return f"Task {i}. {preamble} {bc.r1_prompt(i)}"
-
-
 async def trajectories(engine: object, prompts: list[list[int]], observation: list[int], *, turns: int, tokens: int,
                        delay: float) -> dict[str, list[float] | float]:
     """Run every trajectory concurrently; the wall time, each later turn's time to first token, every gap."""
@@ -87,7 +81,7 @@ def worker(args: argparse.Namespace) -> dict[str, object]:
     engine = Engine.from_pretrained(None, max_num_seqs=args.trajectories, max_model_len=1024)
     engine.warmup()
     tok = engine.tokenizer
-    prompts = [tok.encode(r2_prompt(i)) for i in range(args.trajectories)]
+    prompts = [tok.encode(bc.r2_prompt(i)) for i in range(args.trajectories)]
     observation = tok.encode(OBSERVATION, add_special_tokens=False)[:24]
     asyncio.run(trajectories(engine, prompts, observation, turns=2, tokens=8, delay=args.delay))  # warm-up
     engine.reset_prefix_cache()

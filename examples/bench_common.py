@@ -180,6 +180,12 @@ def r1_prompt(i: int) -> str:
     return f"Question {i}: Write a short paragraph about the number {i} and why it is interesting. Answer:"
 
 
+def r2_prompt(i: int) -> str:
+    """Workload R2's prompt i: `Task i.`, a ~300-token preamble of rules, then R1's prompt i."""
+    preamble = " ".join(f"Rule {k}: answer briefly, show each step, and check the arithmetic." for k in range(1, 25))
+    return f"Task {i}. {preamble} {r1_prompt(i)}"
+
+
 # ---- timing ----------------------------------------------------------------------------------
 def timed_median(fn: Callable[[], Any], repeats: int, *, before_each: Callable[[], None] | None = None,
                  warmup: bool = True) -> tuple[float, list[float], Any, int]:

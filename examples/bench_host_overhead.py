@@ -3,7 +3,8 @@
 Workload: B prompts decoding exactly `--tokens` new tokens (EOS ignored), greedy and sampling with the
 sampled token's logprob, on either the tiny random Llama of tests/test_engine.py (`--model tiny`: 2
 layers, hidden 32, so the device work is near zero and the host decides throughput) or the embedded
-SmolLM2-135M-Instruct (`--model smollm2`, R1's prompts of docs/benchmarks.md). Per run:
+SmolLM2-135M-Instruct (`--model smollm2`, R1's prompts of docs/benchmarks.md; `--model r2`: workload R2,
+8 prompts x n = 8 and 64 distinct prompts of ~330 tokens, 64 new tokens with `--tokens 64`). Per run:
 tokens/s of the whole `generate` call (median of `--repeats` after one untimed call of the same shape),
 device calls, host ms per call (wall time during which no device call was in flight, i.e. between a
 call's results arriving and the next launch: scheduling, input building, output processing) and that
@@ -23,6 +24,7 @@ tree's tokens/s over REF's. Ends with one JSON line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -60,7 +62,12 @@ def worker(args: argparse.Namespace) -> None:
         tok = load_tokenizer(None)
         prompts_all = [tok.encode(f"Question {i}: Write a short paragraph about the number {i} and why it is "
                                   f"interesting. Answer:") for i in range(max(args.batch_sizes))]
-        base = Engine.from_pretrained(None, max_num_seqs=max(args.batch_sizes), max_model_len=args.tokens + 64,
+        if args.model == "r2":  # R2's ~330-token prompts
+            sys.path.insert(0, os.path.join(ROOT, "examples"))
+            import bench_common as bc
+
+            prompts_all = [tok.encode(bc.r2_prompt(i)) for i in range(64)]
+        base = Engine.from_pretrained(None, max_num_seqs=max(args.batch_sizes), max_model_len=args.tokens + 448,
                                       max_num_batched_tokens=512, **extra)
         make = lambda b: base  # noqa: E731
     results = []
@@ -97,7 +104,12 @@ def worker(args: argparse.Namespace) -> None:
         modes = {"greedy": SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True),
                  "sample+logprob": SamplingParams(temperature=1.0, seed=0, max_tokens=args.tokens, ignore_eos=True,
                                                   logprobs=0)}
+        if args.model == "r2":  # R2: 8 prompts x n = 8, and 64 distinct prompts (docs/benchmarks.md)
+            r2 = SamplingParams(n=8, temperature=1.0, seed=0, max_tokens=args.tokens, ignore_eos=True, logprobs=0)
+            modes = {"r2 8 x n=8": (prompts_all[:8], r2), "r2 64 distinct": (prompts_all, dataclasses.replace(r2, n=1))}
         for mode, sp in modes.items():
+            if isinstance(sp, tuple):
+                prompts, sp = sp
             engine.generate(prompts, sp)  # compiles this shape's programs
             walls, hosts, steps = [], [], []
             for _ in range(args.repeats):
@@ -106,12 +118,13 @@ def worker(args: argparse.Namespace) -> None:
                 start = time.perf_counter()
                 outs = engine.generate(prompts, sp)
                 wall = time.perf_counter() - start
-                assert all(len(o.outputs[0].token_ids) == args.tokens for o in outs)
+                assert all(len(c.token_ids) == args.tokens for o in outs for c in o.outputs)
                 walls.append(wall)
                 hosts.append(wall - _union(calls))
                 steps.append(len(calls))
             i = walls.index(statistics.median(walls))
-            results.append(dict(batch=b, mode=mode, tok_s=b * args.tokens / walls[i], steps=steps[i],
+            generated = sum(len(c.token_ids) for o in outs for c in o.outputs)
+            results.append(dict(batch=b, mode=mode, tok_s=generated / walls[i], steps=steps[i],
                                 host_ms_per_step=1e3 * hosts[i] / max(steps[i], 1), idle_fraction=hosts[i] / walls[i],
                                 compiled_programs=engine.stats().num_compilations,
                                 peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
@@ -142,7 +155,8 @@ def run_side(code_root: str, args: argparse.Namespace, *, sync_scheduling: bool 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")
+    p.add_argument("--model", choices=("tiny", "smollm2", "r2"), default="tiny",
+                   help="r2: SmolLM2 on workload R2 (8 prompts x n=8, 64 distinct; --batch-sizes 64)")
     p.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 64, 256, 512])
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)

