@@ -109,9 +109,11 @@ def predictions(runner: ModelRunner, chip: str) -> list[tuple[WarmupProgram, Ste
 
 
 def measure(model: str, mesh_spec: str, options: RunnerOptions) -> dict[str, float]:
-    """On a TPU: the same dummy steps run by a real runner (random weights), median seconds of 5 after one."""
+    """On a TPU: the same dummy steps run by a real runner (random weights), median seconds of 5 after one.
+    The TPU backend always (its buckets are the predictions'; off a TPU its attention is the pure-JAX path)."""
     _, shape = parse_mesh(mesh_spec)
-    runner = build_runner(build_model(model_config(model), rngs=nnx.Rngs(0)), make_mesh(shape), options)
+    runner = build_runner(build_model(model_config(model), rngs=nnx.Rngs(0)), make_mesh(shape),
+                          dataclasses.replace(options, backend="tpu"))
     times = {}
     for step in runner.dummy_steps.every_bucket(prompt_logprobs=False, speculative_k=0, rejection=False):
         runner.run(step)

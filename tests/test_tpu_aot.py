@@ -34,6 +34,8 @@ def aot():  # noqa: ANN201  (the example module)
 @pytest.mark.parametrize("model, mesh, vocab, kernel", [
     ("smollm2", "v5e:1x1:1x1", None, "heads 9 query / 3 KV -> 12 / 4, head_dim 64 -> 128"),
     ("smollm2", "v5e:2x2:4x1", None, "heads 9 query / 3 KV -> 12 / 4, head_dim 64 -> 128"),
+    # tensor parallel: the kernel on each device's 3 query heads / 1 KV head under shard_map over `model`
+    ("smollm2", "v5e:2x2:1x4", None, "on each of 4 devices' heads, zero-padded for the kernel: head_dim 64 -> 128"),
     # Gemma-3-1B's layers with SmolLM2's vocabulary: its 262,144-id sampler sort alone compiles for minutes
     ("gemma-3-1b", "v6e:1x1:1x1", 49152, "the model's heads (4 query / 1 KV, head_dim 256)"),
 ])
@@ -44,9 +46,20 @@ def test_every_warmup_program_compiles_for_the_chip(aot, model: str, mesh: str, 
     assert kinds == [("decode_loop", "chunk"), ("ragged", "step")]  # every program of this runner's warmup()
     status = runner.backend.status()
     assert status.attention == "tpu_ragged" and kernel in status.attention_kernel
-    topology, (data, _) = aot.parse_mesh(mesh)
+    topology, (data, model_axis) = aot.parse_mesh(mesh)
     for w in runner.warmup_programs:
         devices = jax.tree.leaves(w.program.compiled.input_shardings)[0].device_set
-        assert {d.device_kind for d in devices} == {aot.CHIPS[topology.split(":")[0]].kind} and len(devices) == data
+        assert {d.device_kind for d in devices} == {aot.CHIPS[topology.split(":")[0]].kind}
+        assert len(devices) == data * model_axis
         memory = aot.ProgramMemory.of(w.program)
         assert memory.argument_bytes > 0 and memory.code_bytes > 0
+
+
+def test_measure_times_the_steps_predictions_name(aot) -> None:  # noqa: ANN001
+    """`--predict --measure-on-tpu` on a TPU VM: `measure` runs a real runner through the same dummy steps the
+    predictions are for and keys its times by the same labels. Here it runs on the CPU (the backend the
+    platform picks), which proves everything but the chip."""
+    runner, _ = aot.compile_all("smollm2", "v5e:1x1:1x1", aot.SMALL)
+    predicted = {aot.step_label(w.plan) for w, _ in aot.predictions(runner, "v5e")}
+    measured = aot.measure("smollm2", "v5e:1x1:1x1", aot.SMALL)
+    assert set(measured) == predicted and all(0.0 < t < 60.0 for t in measured.values())
