@@ -16,6 +16,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from rollout import policy_lag
 from rollout.block_manager import BlockManager
 from rollout.engine_config import EngineConfig, EngineStats
 from rollout.output_processor import OutputProcessor
@@ -257,11 +258,12 @@ class EngineCore:
             self.block_manager.invalidate_prefix_cache()
         self.policy_version = version if version is not None else (self.policy_version or 0) + 1
         if recompute_running:
-            self.scheduler.recompute_running(self.policy_version)
+            policy_lag.recompute_running(self.scheduler, self.policy_version)
         self.stats_.num_weight_syncs += 1
         if self.config.max_policy_lag is not None:
-            aborted, recomputed = self.scheduler.bound_lag(self.policy_version, self.config.max_policy_lag,
-                                                           recompute=self.config.policy_lag_action == "recompute")
+            recompute = self.config.policy_lag_action == "recompute"
+            aborted, recomputed = policy_lag.bound_lag(self.scheduler, self.policy_version,
+                                                       self.config.max_policy_lag, recompute)
             for seq in aborted:
                 seq.out.finish_reason = "abort"
             self.stats_.num_lag_aborts += len(aborted)

@@ -285,32 +285,5 @@ class Scheduler:
                 self.waiting.remove(seq)
                 seq.status = SequenceStatus.FINISHED
 
-    def recompute_running(self, version: int | None) -> None:
-        """Free every running sequence's K/V (computed under weights just replaced) to recompute it under
-        `version`, from which its policy lag counts."""
-        for seq in sorted(self.running, key=lambda s: -s.arrival):
-            self.preempt(seq, count=False)
-            seq.admitted_version = version
-
-    def bound_lag(self, version: int, max_lag: int, recompute: bool) -> tuple[list[Sequence], int]:
-        """Samples that began more than `max_lag` versions before `version` (None counts as 0) are aborted,
-        or (`recompute`) recomputed under the weights in force from now; returns (the aborted ones, how many
-        were recomputed). A sample not begun yet starts its lag now."""
-        aborted, recomputed = [], 0
-        for seq in [s for s in [*self.running, *self.waiting] if not s.is_finished]:
-            if not seq.num_output_tokens and seq not in self.running:
-                seq.admitted_version = version
-            if version - (seq.admitted_version or 0) <= max_lag:
-                continue
-            if recompute:
-                if seq in self.running:
-                    self.preempt(seq, count=False)
-                seq.admitted_version = version
-                recomputed += 1
-            else:
-                self.abort([seq])
-                aborted.append(seq)
-        return aborted, recomputed
-
     def forget_request(self, request_id: str | int) -> None:
         self._prefilled_requests.discard(request_id)
