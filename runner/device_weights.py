@@ -51,16 +51,18 @@ class DeviceWeights:
 
             self.params = shard_params(params, mesh, logical_axes, put=place)
             self.rest = jax.tree.map(lambda x: jax.device_put(x, scalar, may_alias=False), rest)
+        self._paths = [".".join(map(str, k)) for k, _ in nnx.to_flat_state(self.params)]
         self.mark_shared(jax.tree.leaves(params) if share and not abstract else [])
         self._repack = repack
         self._packed_from = tuple(map(id, jax.tree.leaves(self.params)))
         self._offloaded: tuple[list[np.ndarray], list[np.ndarray]] | None = None  # own arrays on the host
-        self._paths = [".".join(map(str, k)) for k, _ in nnx.to_flat_state(self.params)]
 
     def mark_shared(self, sources: list[object]) -> None:
         """Which parameter leaves are the trainer's arrays (`sources` the trees they came from)."""
         ids = {id(x) for x in sources}
-        self.shared = [id(x) in ids for x in jax.tree.leaves(self.params)]
+        params = jax.tree.leaves(self.params)
+        self.shared = [id(x) in ids for x in params]
+        self._watched = [(p, x) for p, x, s in zip(self._paths, params, self.shared) if s]  # what `check` reads
 
     @property
     def shares(self) -> bool:
@@ -68,9 +70,7 @@ class DeviceWeights:
 
     def check(self) -> None:
         """Raise `SharedWeightsDeleted` (nothing else changes) if the trainer deleted a shared array."""
-        if not self.shares:
-            return
-        gone = [p for p, x, s in zip(self._paths, jax.tree.leaves(self.params), self.shared) if s and x.is_deleted()]
+        gone = [p for p, x in self._watched if x.is_deleted()]
         if gone:
             raise SharedWeightsDeleted(
                 f"the trainer deleted or donated {len(gone)} parameter array(s) the engine shares ({', '.join(gone[:4])}"
