@@ -248,11 +248,11 @@ class EngineCore:
                                "one, say); call it between steps")
         if self.runner.released:
             raise RuntimeError("sync_weights() while the engine is asleep: call wake() first")
+        share = self.config.share_weights if share_weights is None else share_weights
         checked = self.weights.check(params, mapping, check_finite=check_finite, draft_params=draft_params,
-                                   draft_mapping=draft_mapping)
+                                     draft_mapping=draft_mapping, share=share)
         self._drain()  # tokens of a call launched ahead were sampled under the old weights
         try:
-            share = self.config.share_weights if share_weights is None else share_weights
             self.weights.write(checked, draft_params, check_finite=check_finite, share=share)
         finally:  # even a sync that failed part way (device memory) may have changed weights
             self.block_manager.invalidate_prefix_cache()

@@ -17,6 +17,14 @@ from runner.models.registry import get_family
 
 
 @dataclasses.dataclass(frozen=True)
+class MatchedSwap:
+    """A sync that is a reference swap alone (the last shared sync's `weight_sync.SwapPlan` matched): the
+    trainer's arrays, one per engine parameter in leaf order."""
+
+    arrays: list[jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckedSync:
     """A validated sync: its plans and the trees flattened once (what `WeightUpdates.write` applies)."""
 
@@ -24,6 +32,7 @@ class CheckedSync:
     draft_plan: weight_sync.SyncPlan | None
     source: weight_sync.FlatTree
     target: weight_sync.FlatTree
+    mapping: str | tuple | list | None  # as the caller gave it
 
 
 class WeightUpdates:
@@ -32,12 +41,21 @@ class WeightUpdates:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self._takes: dict[str, tuple[int, tuple[int, ...]]] | None = None
+        # the last sync, if it only swapped references: (its mapping, its plan)
+        self._swap: tuple[str | tuple | list | None, weight_sync.SwapPlan] | None = None
 
     def check(self, params: object, mapping: str | tuple | list | None, *, check_finite: bool = False,
-              draft_params: object | None = None, draft_mapping: str | tuple | list | None = None
-              ) -> CheckedSync:
+              draft_params: object | None = None, draft_mapping: str | tuple | list | None = None,
+              share: bool = False) -> CheckedSync | MatchedSwap:
         """Validate both trees (one error lists every problem) and plan the writes; raises
-        `weight_sync.WeightSyncError` (or `ValueError`) with nothing changed if anything is wrong."""
+        `weight_sync.WeightSyncError` (or `ValueError`) with nothing changed if anything is wrong. With
+        `share`, a tree the last shared sync's swap plan matches (same structure, every leaf in the
+        engine's layout) skips the planning: the sync is a reference swap."""
+        if share and self._swap is not None and draft_params is None and not check_finite:
+            last_mapping, swap = self._swap
+            arrays = swap.match(params) if mapping is last_mapping or mapping == last_mapping else None
+            if arrays is not None:
+                return MatchedSwap(arrays)
         runner = self.runner
         drafter = runner.drafter
         if draft_params is not None and drafter is None:
@@ -60,30 +78,41 @@ class WeightUpdates:
                 except weight_sync.WeightSyncError as nan_err:
                     problems += [p for p in nan_err.problems if p not in problems]
             raise weight_sync.WeightSyncError(problems) from None
+        problems = weight_sync.unusable_leaves(plan, src, tgt)  # (apply checks them too, after the engine drained)
         if draft_plan is not None:  # validate both before either is applied (apply checks only its own trees)
             draft_src = weight_sync.flatten(draft_params, what="source")
-            flat = weight_sync.flatten
-            problems = (weight_sync.abstract_leaves(src, tgt)
-                        + weight_sync.abstract_leaves(draft_src, flat(drafter.params, what="target")))
-            if problems:
-                raise weight_sync.WeightSyncError(problems)
-            if check_finite:
-                reject_non_finite(draft_src, sorted({p for op in draft_plan.ops for p in op.sources}))
-        return CheckedSync(plan, draft_plan, src, tgt)
+            problems += weight_sync.unusable_leaves(draft_plan, draft_src,
+                                                    weight_sync.flatten(drafter.params, what="target"))
+        if problems:
+            raise weight_sync.WeightSyncError(problems)
+        if draft_plan is not None and check_finite:
+            reject_non_finite(draft_src, sorted({p for op in draft_plan.ops for p in op.sources}))
+        return CheckedSync(plan, draft_plan, src, tgt, mapping)
 
-    def write(self, checked: CheckedSync, draft_params: object | None = None, *, check_finite: bool = False,
-              share: bool = False) -> None:
+    def write(self, checked: CheckedSync | MatchedSwap, draft_params: object | None = None, *,
+              check_finite: bool = False, share: bool = False) -> None:
         """Write checked trees into the runner's arrays, tensor by tensor. `share`: a source array already
         laid out as the engine's becomes the engine's (a reference swap); the rest is copied. An array the
         engine shared before is the trainer's: replaced, never deleted."""
-        weights, src = self.runner.weights, checked.source
+        weights, runner = self.runner.weights, self.runner
+        if isinstance(checked, MatchedSwap):  # every old array was the trainer's: nothing to delete
+            weights.swap(checked.arrays)
+            if runner.backend.packs_weights:
+                runner.weights_updated()
+            return
+        src = checked.source
         shared = {id(x) for x, s in zip(checked.target.leaves, weights.shared) if s}
+        self._swap = None
         weight_sync.apply(checked.plan, src, checked.target, check_finite=check_finite, share=share,
                           delete_old=lambda old: id(old) not in shared)
+        runner.weights.updated()
         weights.mark_shared(src.leaves if share else [])
         if checked.draft_plan is not None:
-            weight_sync.apply(checked.draft_plan, draft_params, self.runner.drafter.params)
-        self.runner.weights_updated()
+            weight_sync.apply(checked.draft_plan, draft_params, runner.drafter.params)
+        runner.weights_updated()
+        if share:
+            swap = weight_sync.SwapPlan.after(src, weights.leaves()[0])
+            self._swap = (checked.mapping, swap) if swap is not None else None
 
     def _head_takes(self) -> dict[str, tuple[int, tuple[int, ...]]]:
         """Per attention parameter, how the checkpoint layout expands into the stored heads (none

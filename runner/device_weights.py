@@ -52,15 +52,17 @@ class DeviceWeights:
             self.params = shard_params(params, mesh, logical_axes, put=place)
             self.rest = jax.tree.map(lambda x: jax.device_put(x, scalar, may_alias=False), rest)
         self._paths = [".".join(map(str, k)) for k, _ in nnx.to_flat_state(self.params)]
+        self._variables = _variables(self.params)
+        self._flat: list[Array] | None = None  # the parameter leaves, until `updated()`
         self.mark_shared(jax.tree.leaves(params) if share and not abstract else [])
         self._repack = repack
-        self._packed_from = tuple(map(id, jax.tree.leaves(self.params)))
+        self._packed_from = tuple(map(id, self._param_leaves()))
         self._offloaded: tuple[list[np.ndarray], list[np.ndarray]] | None = None  # own arrays on the host
 
     def mark_shared(self, sources: list[object]) -> None:
         """Which parameter leaves are the trainer's arrays (`sources` the trees they came from)."""
         ids = {id(x) for x in sources}
-        params = jax.tree.leaves(self.params)
+        params = self._param_leaves()
         self.shared = [id(x) in ids for x in params]
         self._watched = [(p, x) for p, x, s in zip(self._paths, params, self.shared) if s]  # what `check` reads
 
@@ -78,10 +80,28 @@ class DeviceWeights:
                 "engine.sync_weights(params) before the next step (a jitted update with donate_argnums deletes its "
                 "inputs), or build the engine with share_weights=False to give it its own copy")
 
+    def swap(self, arrays: list[Array]) -> None:
+        """Make `arrays` (one per parameter, in leaf order; the trainer's, laid out as the engine's: a matched
+        `weight_sync.SwapPlan`) the parameters, by reference."""
+        for var, x in zip(self._variables, arrays):
+            var.set_raw_value(x, _unsafe_bypass_check=True)  # (outside any trace: nothing for the check to find)
+        self._flat = list(arrays)
+        self.shared = [True] * len(arrays)
+        self._watched = list(zip(self._paths, arrays))
+
+    def updated(self) -> None:
+        """The parameters' Variables were written in place (`weight_sync.apply`): read them anew."""
+        self._flat = None
+
+    def _param_leaves(self) -> list[Array]:
+        if self._flat is None:
+            self._flat = jax.tree.leaves(self.params)
+        return self._flat
+
     def leaves(self) -> Leaves:
-        """Params and rest as the flat leaf lists the compiled programs take; taken per call (not cached), so
-        a sync that replaced arrays is seen (and the backend's packed copies are recomputed from them first)."""
-        params = jax.tree.leaves(self.params)
+        """Params and rest as the flat leaf lists the compiled programs take (after a sync, `updated()` or
+        `swap`: the new arrays, and the backend's packed copies recomputed from them first)."""
+        params = self._param_leaves()
         ids = tuple(map(id, params))
         if self._repack is not None and ids != self._packed_from:
             self.rest = self._repack(self.params, self.rest)
@@ -97,7 +117,7 @@ class DeviceWeights:
         """Move the engine's own arrays to host memory (shared ones stay the trainer's)."""
         if self._offloaded is not None:
             return
-        params, rest = jax.tree.leaves(self.params), jax.tree.leaves(self.rest)
+        params, rest = self._param_leaves(), jax.tree.leaves(self.rest)
         own = [x for x, s in zip(params, self.shared) if not s]
         self._offloaded = jax.device_get((own, rest))
         self._offload_shardings = jax.tree.map(lambda x: x.sharding, (own, rest))
@@ -109,8 +129,9 @@ class DeviceWeights:
             return
         own, rest = jax.device_put(self._offloaded, self._offload_shardings)
         own_iter = iter(own)
-        params = [x if s else next(own_iter) for x, s in zip(jax.tree.leaves(self.params), self.shared)]
+        params = [x if s else next(own_iter) for x, s in zip(self._param_leaves(), self.shared)]
         self.params = jax.tree.unflatten(jax.tree.structure(self.params), params)
+        self._variables, self._flat = _variables(self.params), params
         self.rest = jax.tree.unflatten(jax.tree.structure(self.rest), rest)
         self._packed_from = tuple(map(id, params))  # `rest` came back packed as it was
         self._offloaded = None
@@ -123,10 +144,15 @@ class DeviceWeights:
         """(bytes of the trainer's arrays the engine reads, bytes the engine holds itself: its own parameter
         copies and the rest, packed copies included), on the first device."""
         shared = held = 0
-        for x, s in zip(jax.tree.leaves(self.params), self.shared):
+        for x, s in zip(self._param_leaves(), self.shared):
             n = _device_bytes(x)
             shared, held = (shared + n, held) if s else (shared, held + n)
         return shared, held + sum(_device_bytes(x) for x in jax.tree.leaves(self.rest))
+
+
+def _variables(params: nnx.State) -> list[nnx.Variable]:
+    """The Variables holding the parameter leaves, in leaf order."""
+    return jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def _device_bytes(x: Array) -> int:

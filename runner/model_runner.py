@@ -245,6 +245,7 @@ class ModelRunner:
     def weights_updated(self) -> None:
         """After `sync_weights` wrote new arrays: recompute the packed weights now, inside the sync
         (else the next step would pay for it); returns when the new arrays are ready."""
+        self.weights.updated()
         jax.block_until_ready(self.weights.leaves())  # (the programs' identity stays: layouts never change)
 
     def warmup(self, *, prompt_logprobs: bool = False, speculative_k: int = 0, rejection: bool = False,

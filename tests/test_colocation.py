@@ -76,6 +76,42 @@ def test_a_matching_sync_swaps_references() -> None:
         assert out.outputs[0].token_ids == ref.greedy(prompt, GREEDY.max_tokens)
 
 
+def test_a_repeated_shared_sync_is_matched_not_planned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After one shared sync that only swapped references, a tree of the same structure and layouts is matched
+    in one pass (no planning); a tree that differs in a leaf takes the full path, which copies that leaf; a
+    tree with donated arrays is refused with nothing changed."""
+    import weight_sync
+
+    model = make_model(0)
+    engine = Engine.from_model(model, ByteTokenizer(), **ENGINE_KW, share_weights=True)
+    engine.sync_weights(trained(model, 1))  # the full path, which records the swap
+    plans = []
+    real_plan = weight_sync.plan
+    monkeypatch.setattr(weight_sync, "plan", lambda *a, **k: plans.append(1) or real_plan(*a, **k))
+    new = trained(model, 2)
+    engine.sync_weights(new)
+    assert plans == [] and all(a is b for a, b in zip(param_leaves(engine.runner.params), param_leaves(new)))
+    nnx.update(model, new)
+    ref = Reference(model)
+    for prompt, out in zip(PROMPTS, engine.generate(PROMPTS, GREEDY)):
+        assert out.outputs[0].token_ids == ref.greedy(prompt, GREEDY.max_tokens)
+    # one leaf on the host: not the engine's layout, so planned, copied and held by the engine
+    flat = dict(nnx.to_flat_state(trained(model, 3)))
+    key = next(k for k in flat if "q_proj" in ".".join(map(str, k)))
+    flat[key] = nnx.Param(np.asarray(flat[key].get_value()))
+    engine.sync_weights(nnx.from_flat_state(flat))
+    assert plans == [1] and engine.runner.weights.shared.count(False) == 1
+    # a donated tree: refused before anything changes, the engine keeps the arrays it had
+    kept = trained(model, 4)
+    engine.sync_weights(kept)
+    donated = trained(model, 5)
+    jax.tree.map(lambda x: x.delete(), donated)
+    with pytest.raises(weight_sync.WeightSyncError, match="was deleted or donated"):
+        engine.sync_weights(donated)
+    assert all(a is b for a, b in zip(param_leaves(engine.runner.params), param_leaves(kept)))
+    assert len(engine.generate(PROMPTS, GREEDY)[0].outputs[0].token_ids) == GREEDY.max_tokens
+
+
 def test_a_donating_update_gets_a_clear_error_and_a_sync_mends_it() -> None:
     """An Optax update jitted with `donate_argnums` deletes the arrays the engine shares: the next step raises
     `SharedWeightsDeleted` naming them and `sync_weights` as the fix, before anything runs; the request waits

@@ -88,13 +88,17 @@ def _shares_buffers(a: jax.Array, b: jax.Array) -> bool:
     return any(s.data.unsafe_buffer_pointer() in ours for s in b.addressable_shards)
 
 
-def abstract_leaves(src: FlatTree, tgt: FlatTree) -> list[str]:
-    """One problem per source or target leaf that is a `jax.ShapeDtypeStruct`: `plan` accepts them (it
-    needs shapes only), `apply` needs real arrays. Callers applying several plans together check them
-    all first, so that none is applied when another would fail."""
-    return [f"{what} {p!r} is a ShapeDtypeStruct: apply needs real arrays" for what, f in
-            (("source", src), ("target", tgt)) for p, x in zip(f.paths, f.leaves)
-            if isinstance(x, jax.ShapeDtypeStruct)]
+def unusable_leaves(plan: SyncPlan, src: FlatTree, tgt: FlatTree) -> list[str]:
+    """One problem per leaf `apply` cannot use: a `jax.ShapeDtypeStruct` on either side (`plan` accepts them,
+    it needs shapes only) or a source array the plan reads that was deleted or donated. Callers applying
+    several plans together check them all first, so that none is applied when another would fail."""
+    read = {p for op in plan.ops for p in op.sources}
+    return ([f"{what} {p!r} is a ShapeDtypeStruct: apply needs real arrays" for what, f in
+             (("source", src), ("target", tgt)) for p, x in zip(f.paths, f.leaves)
+             if isinstance(x, jax.ShapeDtypeStruct)]
+            + [f"source {p!r} was deleted or donated (a jitted update with donate_argnums deletes its inputs): "
+               "pass the update's outputs" for p, x in zip(src.paths, src.leaves)
+               if p in read and isinstance(x, jax.Array) and x.is_deleted()])
 
 
 def apply(plan: SyncPlan, src_tree: PyTree | FlatTree, target_state: PyTree | FlatTree, *, check_finite: bool = False,
@@ -112,8 +116,8 @@ def apply(plan: SyncPlan, src_tree: PyTree | FlatTree, target_state: PyTree | Fl
     """
     src, tgt = flatten(src_tree, what="source"), flatten(target_state, what="target")
     check_structure(plan, src, tgt)
-    if abstract := abstract_leaves(src, tgt):
-        raise WeightSyncError(abstract)
+    if unusable := unusable_leaves(plan, src, tgt):
+        raise WeightSyncError(unusable)
     if check_finite:
         reject_non_finite(src, sorted({p for op in plan.ops for p in op.sources}))
     s_idx, t_idx = src.index(), tgt.index()
