@@ -73,22 +73,13 @@ def _values(items: list[object], variables: tuple[nnx.Variable | None, ...]) -> 
                  (v.get_value() if v is not None else x) for x, v, r in zip(items, variables, raw))
 
 
-_PATHS: dict[jax.tree_util.PyTreeDef, tuple[str, ...]] = {}  # a structure's paths (a sync repeats one)
-
-
 def flatten(tree: PyTree | FlatTree, *, what: str = "tree") -> FlatTree:
     """Flatten `tree` (a `FlatTree` is returned as is); raises WeightSyncError on non-array leaves or on two
     leaves with one path."""
     if isinstance(tree, FlatTree):
         return tree
     items, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_leaf)
-    paths = _PATHS.get(treedef)
-    if paths is None:
-        paths = _paths(tree)
-        if len(set(paths)) == len(paths):
-            if len(_PATHS) >= 64:
-                _PATHS.pop(next(iter(_PATHS)))
-            _PATHS[treedef] = paths
+    paths = _paths(tree)
     variables = tuple(x if isinstance(x, nnx.Variable) else None for x in items)
     leaves = _values(items, variables)
     problems: list[str] = []
