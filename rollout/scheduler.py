@@ -84,7 +84,6 @@ class Scheduler:
         self.num_started = 0
         self.num_held = 0  # samples the limit postponed at least once
         self._last_kind: BatchKind | None = None
-        self._backlog = False  # the last ragged step left prompt tokens to compute (a cut chunk, a queue)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -106,13 +105,9 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         """A ragged step while some prompt can be computed (a running chunked prefill, or a waiting sequence
-        that fits), else a decode loop of every running sequence. Right after a ragged step that computed
-        every prompt token there was (prompts that arrived during it do not count), the running decodes get
-        one decode loop first: steady arrivals cannot keep every step a one-token ragged one, and an arriving
-        prompt waits at most one decode loop. A backlog (a long prompt's chunks, a queue of prompts) is
-        computed back to back. `interleave_decodes` (speculation: drafts are made in decode steps only): a
-        decode step after every ragged one."""
-        interleave = ((self.config.interleave_decodes or not self._backlog) and self._last_kind == "ragged"
+        that fits), else a decode loop of every running sequence (`interleave_decodes`: also right after a
+        ragged step, when some sequence decodes)."""
+        interleave = (self.config.interleave_decodes and self._last_kind == "ragged"
                       and any(not s.is_prefilling for s in self.running))
         batch = self._schedule_ragged() if self._prefill_waits() and not interleave else self._schedule_decode_loop()
         self._last_kind = batch.kind
@@ -185,8 +180,6 @@ class Scheduler:
             if seq.num_computed_tokens + take >= seq.num_prompt_tokens:
                 prompt_in_step.add(seq.request_id)
         self.waiting.extendleft(reversed(skipped))
-        self._backlog = (any(s.num_computed_tokens + n < s.num_tokens for s, n in zip(seqs, counts))
-                         or any(not self._held(s) for s in self.waiting))
         kept = [i for i, s in enumerate(seqs) if s.status == SequenceStatus.RUNNING]  # (one may have been preempted)
         return ScheduledBatch("ragged", [seqs[i] for i in kept], [counts[i] for i in kept])
 

@@ -317,43 +317,12 @@ def test_speculation_interleaves_a_decode_step_after_each_ragged_one() -> None:
     assert kinds == ["decode_loop", "ragged"] * 3  # (the first step after `a`'s own prefill decodes)
 
 
-def test_arrivals_alternate_with_decode_loops_a_backlog_runs_back_to_back() -> None:
-    """Prompts arriving one by one while sequences decode: each ragged step computes all there is, so the
-    running decodes get a decode loop before the next arrival is taken (steady arrivals cannot make every
-    step a one-token ragged one). A backlog (more prompt tokens than one step's budget) is computed in
-    ragged steps back to back, the running decodes riding along one token each."""
-    sched = make_scheduler(num_blocks=128, max_num_seqs=16, budget=32, max_model_len=256)
-    a = make_seq([1, 2, 3], max_tokens=200)
-    sched.add(a)
-    simulate(sched, sched.schedule())
-    kinds = []
-    for i in range(6):
-        sched.add(make_seq([9, i], max_tokens=30))  # a prompt arrives before every step
-        batch = sched.schedule()
-        kinds.append(batch.kind)
-        assert a in batch.seqs
-        simulate(sched, batch)
-    assert kinds == ["decode_loop", "ragged"] * 3
-    for i in range(3):  # 3 x 40 prompt tokens against a budget of 32
-        sched.add(make_seq(list(range(10 + 40 * i, 50 + 40 * i)), max_tokens=4))
-    kinds = []
-    while any(s.is_prefilling for s in sched.running) or sched.waiting or not kinds:
-        batch = sched.schedule()
-        kinds.append(batch.kind)
-        simulate(sched, batch)
-    # (the first: the loop owed after the last arrival's ragged step)
-    assert kinds[0] == "decode_loop" and set(kinds[1:]) == {"ragged"} and len(kinds) >= 5
-
-
 def test_decodes_take_the_token_budget_first() -> None:
     sched = make_scheduler(max_num_seqs=8, budget=32)
     running = [make_seq([i, i + 1], max_tokens=20) for i in range(3)]
     for seq in running:
         sched.add(seq)
     simulate(sched, sched.schedule())
-    loop = sched.schedule()
-    assert loop.kind == "decode_loop"  # (nothing waits: the running sequences decode)
-    simulate(sched, loop)
     prompt = make_seq(list(range(100)), max_tokens=2)
     sched.add(prompt)
     batch = sched.schedule()
