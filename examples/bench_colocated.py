@@ -5,8 +5,9 @@ from it (`Engine.from_model`), then one GRPO step runs (a rollout of P prompts x
 step on the last `--train-layers` layers and the final norm, `sync_weights` of the trainer's parameters),
 then `sync_weights` is timed alone (median of 5, alternating two parameter sets, after the step's own sync).
 Rows: the engine's own copy at `--compare REF` (the code before shared weights; default 3e679b4), its own
-copy now, and the trainer's arrays shared; then both again with `cpu_amx=False` (no packed copies: the path
-of a Zen 4 CPU at float32, and of the GPU and TPU backends, where a shared sync is a reference swap). Printed per row: RSS after the trainer loaded, after the engine
+copy now, and the trainer's arrays shared; then, on a CPU with AMX, both again with `cpu_amx=False` (no
+packed copies: the path of a CPU without AMX at float32, and of the GPU and TPU backends, where a shared
+sync is a reference swap). Printed per row: RSS after the trainer loaded, after the engine
 was built, peak over the GRPO step; the weight bytes the engine shares and holds (`EngineStats`); the
 sync's median seconds and the compilations during the timed syncs. The KV cache is the same size in every row (`kv_cache_blocks`).
 
@@ -140,10 +141,12 @@ def main() -> None:
     common = ["--prompts", str(args.prompts), "--group-size", str(args.group_size), "--max-tokens",
               str(args.max_tokens), "--train-layers", str(args.train_layers)]
     results = []
+    with open("/proc/cpuinfo") as f:  # without AMX the default rows are the no-AMX ones already
+        amx = " amx_bf16" in f.read()
     with code_at(args.compare or None) as before:
         for name in args.models.split(","):
             for label, old, mode, variant in RUNS:
-                if old and not before:
+                if (old and not before) or (variant == "no-amx" and not amx):
                     continue
                 label = label.replace("REF", args.compare)
                 r = run_worker(__file__, before if old else ROOT,
@@ -162,7 +165,7 @@ def main() -> None:
     for name in args.models.split(","):
         rows = {r["label"]: r for r in results if r["model"] == name}
         own, shared = rows["own copy"], rows["shared"]
-        own_plain, shared_plain = rows["own copy, no AMX"], rows["shared, no AMX"]
+        own_plain, shared_plain = rows.get("own copy, no AMX", own), rows.get("shared, no AMX", shared)
         summary[name] = dict(
             param_bytes=own["param_bytes"], peak_rss_own=own["rss_peak"], peak_rss_shared=shared["rss_peak"],
             peak_rss_saved=own["rss_peak"] - shared["rss_peak"], engine_rss_own=own["rss_engine"] - own["rss_trainer"],
