@@ -11,12 +11,18 @@ v6e. `examples/tpu_aot.py` compiles the full model x chip x mesh matrix (docs/tp
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jax
 import pytest
+
+if TYPE_CHECKING:
+    from runner.model_runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                 reason="needs libtpu (`.ci/run` runs this file in .venv-tpu with jax[tpu])")
@@ -31,6 +37,13 @@ def aot():  # noqa: ANN201  (the example module)
     return tpu_aot
 
 
+@pytest.fixture(scope="module")
+def compiled(aot) -> Callable[..., ModelRunner]:  # noqa: ANN001
+    """`aot.compile_all`'s runner, compiled once per (model, mesh, vocabulary) in this module (the measure test
+    reads the one the first case compiled)."""
+    return functools.cache(lambda model, mesh, vocab=None: aot.compile_all(model, mesh, aot.SMALL, vocab_size=vocab)[0])
+
+
 @pytest.mark.parametrize("model, mesh, vocab, kernel", [
     ("smollm2", "v5e:1x1:1x1", None, "heads 9 query / 3 KV -> 12 / 4, head_dim 64 -> 128"),
     ("smollm2", "v5e:2x2:4x1", None, "heads 9 query / 3 KV -> 12 / 4, head_dim 64 -> 128"),
@@ -39,9 +52,9 @@ def aot():  # noqa: ANN201  (the example module)
     # Gemma-3-1B's layers with SmolLM2's vocabulary: its 262,144-id sampler sort alone compiles for minutes
     ("gemma-3-1b", "v6e:1x1:1x1", 49152, "the model's heads (4 query / 1 KV, head_dim 256)"),
 ])
-def test_every_warmup_program_compiles_for_the_chip(aot, model: str, mesh: str, vocab: int | None,  # noqa: ANN001
-                                                     kernel: str) -> None:
-    runner, _ = aot.compile_all(model, mesh, aot.SMALL, vocab_size=vocab)
+def test_every_warmup_program_compiles_for_the_chip(aot, compiled, model: str, mesh: str,  # noqa: ANN001
+                                                     vocab: int | None, kernel: str) -> None:
+    runner = compiled(model, mesh, vocab)
     kinds = sorted((w.kind, w.program.name) for w in runner.warmup_programs)
     assert kinds == [("decode_loop", "chunk"), ("ragged", "step")]  # every program of this runner's warmup()
     status = runner.backend.status()
@@ -55,11 +68,11 @@ def test_every_warmup_program_compiles_for_the_chip(aot, model: str, mesh: str, 
         assert memory.argument_bytes > 0 and memory.code_bytes > 0
 
 
-def test_measure_times_the_steps_predictions_name(aot) -> None:  # noqa: ANN001
+def test_measure_times_the_steps_predictions_name(aot, compiled) -> None:  # noqa: ANN001
     """`--predict --measure-on-tpu` on a TPU VM: `measure` runs a real runner through the same dummy steps the
     predictions are for and keys its times by the same labels. Here it runs on the CPU (the backend the
     platform picks), which proves everything but the chip."""
-    runner, _ = aot.compile_all("smollm2", "v5e:1x1:1x1", aot.SMALL)
+    runner = compiled("smollm2", "v5e:1x1:1x1")
     predicted = {aot.step_label(w.plan) for w, _ in aot.predictions(runner, "v5e")}
     measured = aot.measure("smollm2", "v5e:1x1:1x1", aot.SMALL)
     assert set(measured) == predicted and all(0.0 < t < 60.0 for t in measured.values())
