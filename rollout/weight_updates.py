@@ -105,7 +105,7 @@ class WeightUpdates:
         self._swap = None
         weight_sync.apply(checked.plan, src, checked.target, check_finite=check_finite, share=share,
                           delete_old=lambda old: id(old) not in shared)
-        runner.weights.updated()
+        weights.updated()
         weights.mark_shared(src.leaves if share else [])
         if checked.draft_plan is not None:
             weight_sync.apply(checked.draft_plan, draft_params, runner.drafter.params)
