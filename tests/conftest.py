@@ -41,18 +41,20 @@ def _free_compiled_programs():
         gc.collect()
 
 
-# Seconds each test file took in a clean-clone CI run (2026-12-03, 2-core machine, junit times).
+# Seconds each test file took in a cold run of the main suite (2026-12-07, 2-core Zen 4, junit times).
 # Only the order matters: files run heaviest first, so the two xdist workers (`.ci/run`, with
 # `--no-loadscope-reorder`; xdist's own order is by test count) take the long files early and
 # finish together instead of one worker running a long file alone at the end. New files sort last.
 FILE_SECONDS = {
-    "test_eagle3.py": 347, "test_mesh.py": 336, "test_spec_decode.py": 232, "test_engine.py": 189,
-    "test_sampler.py": 100, "test_sampler_blocks.py": 85, "test_engine_smollm.py": 122, "test_multi_step.py": 93, "test_attention.py": 86,
-    "test_checkpoint.py": 63, "test_model_oracle.py": 49, "test_examples.py": 49, "test_engine_sync.py": 39,
-    "test_multihost.py": 26, "test_weight_sync.py": 23, "test_cpu_attention.py": 20, "test_row_matmul.py": 17,
-    "test_tokenizer.py": 11, "test_amx_matmul.py": 14, "test_engine_requests.py": 80, "test_async_engine.py": 40,
-    "test_request_semantics.py": 20, "test_server.py": 70, "test_compilation_cache.py": 70, "test_moe.py": 40, "test_sleep.py": 15,
-    "test_routed_experts.py": 60, "test_batch_invariance.py": 250, "test_colocation.py": 35,
+    "test_eagle3.py": 645, "test_batch_invariance.py": 466, "test_mesh.py": 351, "test_logits_processors.py": 326,
+    "test_engine.py": 201, "test_gemma.py": 165, "test_spec_decode.py": 163, "test_engine_smollm.py": 148,
+    "test_sampling_record.py": 142, "test_routed_experts.py": 132, "test_moe.py": 125, "test_sampler_blocks.py": 118,
+    "test_compilation_cache.py": 104, "test_attention.py": 95, "test_tpu_path.py": 94, "test_multi_step.py": 67,
+    "test_engine_requests.py": 66, "test_examples.py": 65, "test_model_oracle.py": 47, "test_multihost.py": 47,
+    "test_sampler.py": 42, "test_server.py": 41, "test_engine_sync.py": 37, "test_bf16_matmul.py": 35,
+    "test_checkpoint.py": 27, "test_colocation.py": 23, "test_row_matmul.py": 22, "test_cpu_attention.py": 22,
+    "test_weight_sync.py": 21, "test_request_semantics.py": 11, "test_tokenizer.py": 8, "test_lag_admission.py": 7,
+    "test_host_paths.py": 6, "test_async_engine.py": 5,
 }
 
 

@@ -280,8 +280,10 @@ def test_refused_for_models_it_does_not_cover(change: dict, match: str) -> None:
 @pytest.mark.slow
 @needs_kernels
 def test_smollm2_same_bits_alone_and_among_63() -> None:
-    """The real model (hidden 576, 49152-token vocabulary): alone, among 7 and 63 companions with long
-    prompts (prefill chunks share the target's decode steps), and with a 128-token budget."""
+    """The real model (hidden 576, 49152-token vocabulary): alone and among 63 companions with long
+    prompts (prefill chunks share the target's decode steps; as companions finish, the target's batch
+    shrinks through smaller decode buckets). Other companion counts and token budgets: the tiny model's
+    cases above."""
     eng = Engine.from_pretrained(None, max_num_seqs=64, max_model_len=1024, batch_invariant=True)
     words = "the a of to and in is it you that he was for on are with as I his they be at one have".split()
     target = "Write a short story about a robot who learns to paint."
@@ -300,9 +302,4 @@ def test_smollm2_same_bits_alone_and_among_63() -> None:
         out = eng.generate(prompts, others, use_tqdm=False)[at].outputs[0]
         return out.token_ids, np.asarray(out.logprobs.values, np.float32).tobytes()
 
-    alone = among(eng, 0, 0)
-    assert among(eng, 7, 1) == alone
-    assert among(eng, 63, 2) == alone
-    small = Engine.from_pretrained(None, max_num_seqs=8, max_model_len=1024, max_num_batched_tokens=128,
-                                   batch_invariant=True)
-    assert among(small, 7, 3) == alone
+    assert among(eng, 63, 2) == among(eng, 0, 0)

@@ -594,11 +594,12 @@ def test_place_drafts_matches_host_built_verification(num_replicas: int) -> None
 def test_unsure_head_decodes_plainly(model, plain: Engine, trained_head_dir) -> None:
     """`min_confidence`: steps where every first draft is below it decode plainly inside the verification
     program. Outputs and logprobs equal plain decoding at batch sizes 1 and 8, drafts of later steps
-    still equal the numpy head (the plain branch fills the head's cache), nothing compiles after
-    warmup; under rejection sampling with min_confidence=1.0 (nearly every step plain) greedy is exact."""
+    still equal the numpy head (the plain branch fills the head's cache), and once the greedy case has
+    compiled its steps, sampling at T=1 (sure and unsure steps alike) compiles nothing (the whole
+    warmup is `test_no_compilation_after_warmup`'s); under rejection sampling with min_confidence=1.0
+    (nearly every step plain) greedy is exact."""
     e = Engine.from_model(model, ByteTokenizer(), **ENGINE_KW, speculative=Eagle3Config(
         trained_head_dir, k=K, auto_disable=False, min_confidence=0.6))
-    e.warmup()
     log = record_drafts(e)
     for case in ("greedy", "t1.0", "logprobs_processed"):
         for batch_size in (1, 8):
@@ -607,7 +608,7 @@ def test_unsure_head_decodes_plainly(model, plain: Engine, trained_head_dir) -> 
             expected = plain.generate(prompts, params)
             before = num_compilations()
             assert_same(expected, e.generate(prompts, params), logprobs="logprobs" in case)
-            assert num_compilations() == before
+            assert case != "t1.0" or num_compilations() == before, batch_size
     s = e.stats().speculative
     assert 0 < s.num_unsure_steps < s.num_draft_steps and s.accepted_tokens > 0, s
     assert len(log) >= 6

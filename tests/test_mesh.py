@@ -39,7 +39,7 @@ def assert_same_as_single_device(outs: list, ref: list) -> None:
         np.testing.assert_allclose(lp_a, lp_b, atol=1e-5)
 
 
-@pytest.mark.parametrize("mesh", [(1, 2), (1, 4), (2, 2), (8, 1)], ids=str)
+@pytest.mark.parametrize("mesh", [(1, 4), (2, 2), (8, 1)], ids=str)
 def test_mesh_outputs_equal_single_device(setup: tuple, mesh: tuple[int, int]) -> None:
     model, prompts, ref = setup
     engine = Engine.from_model(model, IdTokenizer(), mesh=mesh, **KW)
@@ -112,7 +112,7 @@ def test_load_places_each_tensor_sharded(tmp_path) -> None:
                                np.asarray(reference(ids, np.arange(10)[None])), atol=1e-5)
 
 
-@pytest.mark.parametrize("mesh", [(2, 1), (4, 1)], ids=str)
+@pytest.mark.parametrize("mesh", [(4, 1)], ids=str)
 def test_data_parallel_sampling_equals_single_device(setup: tuple, mesh: tuple[int, int]) -> None:
     """Replicas get their rows' own seeds, sample indices, filters, masked ids and logprob requests:
     seeded T=1 with top-p, n=3 per prompt (siblings on their prompt's replica), `min_tokens` masking a
@@ -215,7 +215,7 @@ def _hf_config_json(cfg: ModelConfig) -> str:
         rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_word_embeddings, max_position_embeddings=256))
 
 
-@pytest.mark.parametrize(("mesh", "min_confidence"), [((2, 2), 0.0), ((1, 4), 0.0), ((2, 2), 0.5)], ids=str)
+@pytest.mark.parametrize(("mesh", "min_confidence"), [((1, 4), 0.0), ((2, 2), 0.5)], ids=str)
 def test_eagle3_drafting_on_a_mesh_equals_single_device(setup: tuple, mesh: tuple[int, int], min_confidence: float,
                                                         tmp_path) -> None:
     """The EAGLE-3 head's cache and draft program over data-parallel replicas and a model axis, every other
@@ -261,11 +261,12 @@ def test_head_layout_gives_every_device_whole_heads(heads: tuple[int, int], axis
         HeadLayout(8, 4, 2, (2, 1, 0, 3), (0, 1))
 
 
-@pytest.mark.parametrize("heads", [(9, 3), (8, 2), (3, 1)], ids=str)
+@pytest.mark.parametrize("heads", [(9, 3), (3, 1)], ids=str)
 def test_heads_the_model_axis_does_not_divide(heads: tuple[int, int]) -> None:
-    """(1, 4) with 9/3 heads (padded), 8/2 (KV replicated) and 3/1: the stored model computes the
-    checkpoint's function, the KV cache is split by head, and `sync_weights` takes the trainer's
-    (checkpoint-layout) parameters."""
+    """(1, 4) with 9/3 heads (query and KV heads padded) and 3/1 (query heads padded, the KV head
+    replicated; every layout case: `test_head_layout_gives_every_device_whole_heads`): the stored model
+    computes the checkpoint's function, the KV cache is split by head, and `sync_weights` takes the
+    trainer's (checkpoint-layout) parameters."""
     from runner.models.registry import with_head_layout
 
     cfg = ModelConfig(family="qwen2", vocab_size=96, hidden_size=72, intermediate_size=128, num_hidden_layers=2,
@@ -291,7 +292,7 @@ def test_heads_the_model_axis_does_not_divide(heads: tuple[int, int]) -> None:
     policy = LlamaForCausalLM(cfg, rngs=nnx.Rngs(8))
     for _ in range(2):  # the second sync reuses the first one's programs
         before = engine.stats().num_compilations
-        engine.sync_weights(nnx.split(policy, nnx.Param, ...)[1])  # the trainer's 9/3 (8/2, 3/1) layout
+        engine.sync_weights(nnx.split(policy, nnx.Param, ...)[1])  # the trainer's 9/3 (3/1) layout
     assert engine.stats().num_compilations == before
     # the engine's replicated copies (norms) never share a buffer with the trainer's arrays
     assert not any(v[...].is_deleted() for _, v in nnx.to_flat_state(nnx.split(policy, nnx.Param, ...)[1]))
