@@ -105,7 +105,8 @@ def test_the_faster_instruction_is_measured() -> None:
 @needs_kernel
 def test_a_bfloat16_engine_without_amx_uses_the_kernel() -> None:
     """`cpu_amx=False` on a bfloat16 model: every Linear and the tied head packed in one part and computed by
-    this kernel up to MAX_ROWS rows (XLA's dot past it: a 270-token prompt's prefill), greedy tokens equal to
+    this kernel (the FMA variant up to MAX_ROWS rows, XLA's dot past it: a 270-token prompt's prefill; the
+    VDPBF16PS variant at every row count, in chunks of MAX_ROWS), greedy tokens equal to
     the reference backend's (XLA's bfloat16 dots) and logprobs within bfloat16 rounding."""
     cfg = ModelConfig(family="llama", vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,

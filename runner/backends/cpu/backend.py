@@ -5,8 +5,9 @@ mode also on a data-parallel mesh, each replica's forward on its own device).
 - AMX tiles for larger float32 matmuls where the CPU has AMX-BF16 (`amx_matmul`: weights kept packed
   next to the float32 ones, recomputed by `refresh` after a weight update), and for every matmul of a
   bfloat16 model (its weights packed as they are: one exact product per tile),
-- without AMX, a bfloat16 model's matmuls of up to `bf16_matmul.MAX_ROWS` rows on AVX512_BF16
-  (`bf16_matmul`: the same packed weights, VDPBF16PS or widened FMAs, whichever this core runs faster),
+- without AMX, a bfloat16 model's matmuls on AVX512_BF16 (`bf16_matmul`: the same packed weights,
+  VDPBF16PS at every row count where this core runs it faster than FMA, else widened FMAs up to
+  `bf16_matmul.MAX_ROWS` rows),
 - paged attention (`attention`: decode, verification and prefill pieces of up to 64 queries).
 
 Batch-invariant mode (`EngineConfig(batch_invariant=True)`): one kernel per matmul at every row count,
@@ -46,7 +47,8 @@ from runner.backends.cpu.row_matmul import MAX_ROWS, MAX_ROWS_NT, load as load_r
 class CpuMatmul:
     """`x @ w` (`transposed`: `x @ w.T`): AMX where a packed weight exists and `amx.takes` the rows,
     the row kernel up to `row_max_rows` rows, XLA's dot otherwise; a bfloat16 model's packed weights on
-    AMX at every row count, or on the AVX512_BF16 kernel up to `bf16_matmul.MAX_ROWS` rows.
+    AMX at every row count, or on the AVX512_BF16 kernel (VDPBF16PS: at every row count, in chunks of
+    `bf16_matmul.MAX_ROWS`; the FMA variant: up to that many rows, XLA's dot past it).
 
     `invariant` (batch-invariant mode): one kernel at every row count, each row's bits those of its
     product alone: the row kernel in chunks of `MAX_ROWS` (the tied head: AMX where packed for it, else
@@ -63,7 +65,7 @@ class CpuMatmul:
         if packed is not None and packed.ndim == 6 and packed.shape[2] == 1:  # bfloat16 weights
             if self.bf16_kernel == "amx":  # at every row count
                 return amx.amx_matmul(x.astype(jnp.bfloat16), packed)
-            if rows <= bf16.MAX_ROWS or (self.invariant and rows > 0):
+            if rows <= bf16.MAX_ROWS or (rows > 0 and (self.invariant or self.bf16_kernel == "dot")):
                 kernel = lambda xs, p: bf16.bf16_matmul(xs, p, dot=self.bf16_kernel == "dot")  # noqa: E731
                 return in_row_chunks(kernel, x, packed, bf16.MAX_ROWS)
             return XlaMatmul(self.transposed)(x, w, None)

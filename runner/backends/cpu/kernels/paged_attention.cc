@@ -182,20 +182,13 @@ void attend(const Problem<KV>& pb, int64_t s, int64_t h) {
   };
   const KV* keys[2][kTile];  // this tile's and the next one's, alternating
   const KV* values[2][kTile];
+  alignas(64) float kbuf[kTile * DV * 16], vbuf[kTile * DV * 16];  // a bfloat16 tile widened to float32
+  const float* kwide[kTile];
+  const float* vwide[kTile];
   v16 dots[kTile];
   alignas(64) float p[kTile];
-  locate(0, keys[0], values[0]);
-  for (int64_t t0 = 0, cur = 0; t0 < kv_len; t0 += kTile, cur ^= 1) {
-    const KV* const* key_at = keys[cur];
-    const KV* const* value_at = values[cur];
-    if (t0 + kTile < kv_len) {  // the next tile's K and V lines on their way from memory while this one computes
-      locate(t0 + kTile, keys[cur ^ 1], values[cur ^ 1]);
-      for (int t = 0; t < kTile; ++t)
-        for (int64_t f = 0; f < D; f += 64 / sizeof(KV)) {  // one prefetch per cache line
-          __builtin_prefetch(keys[cur ^ 1][t] + f);
-          __builtin_prefetch(values[cur ^ 1][t] + f);
-        }
-    }
+  // One tile's keys for every query row; `key_at` / `value_at` point into the cache or its widened copy.
+  auto attend_rows = [&](int64_t t0, const auto* const* key_at, const auto* const* value_at) {
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t valid = std::min<int64_t>(kTile, std::min(pos[r] + 1, kv_len) - t0);
       if (valid <= 0) continue;
@@ -235,6 +228,34 @@ void attend(const Problem<KV>& pb, int64_t s, int64_t h) {
       else
         for (int u = 0; u < DV; ++u) ar[u] += even[u] + odd[u];
     }
+  };
+  locate(0, keys[0], values[0]);
+  for (int64_t t0 = 0, cur = 0; t0 < kv_len; t0 += kTile, cur ^= 1) {
+    const KV* const* key_at = keys[cur];
+    const KV* const* value_at = values[cur];
+    if (t0 + kTile < kv_len) {  // the next tile's K and V lines on their way from memory while this one computes
+      locate(t0 + kTile, keys[cur ^ 1], values[cur ^ 1]);
+      for (int t = 0; t < kTile; ++t)
+        for (int64_t f = 0; f < D; f += 64 / sizeof(KV)) {  // one prefetch per cache line
+          __builtin_prefetch(keys[cur ^ 1][t] + f);
+          __builtin_prefetch(values[cur ^ 1][t] + f);
+        }
+    }
+    if constexpr (sizeof(KV) == 2) {
+      if (rows > 1) {  // bfloat16 K and V widened once per tile, not once per query row that reads them
+        for (int t = 0; t < kTile; ++t) {
+          for (int u = 0; u < DV; ++u) {
+            store(kbuf + (t * DV + u) * 16, ld(key_at[t], u));
+            store(vbuf + (t * DV + u) * 16, ld(value_at[t], u));
+          }
+          kwide[t] = kbuf + t * DV * 16;
+          vwide[t] = vbuf + t * DV * 16;
+        }
+        attend_rows(t0, kwide, vwide);
+        continue;
+      }
+    }
+    attend_rows(t0, key_at, value_at);
   }
   for (int64_t i = 0; i < q_len; ++i)
     for (int64_t g = 0; g < group; ++g) {
