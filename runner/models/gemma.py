@@ -16,6 +16,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from runner.attention import AttentionMetadata
+from runner.models.activations import gelu_tanh
 from runner.models.config import ModelConfig
 from runner.models.family import AttentionSpec
 from runner.models.llama import MLP, Attention, LlamaForCausalLM
@@ -40,7 +41,7 @@ class GemmaMLP(MLP):
     """GeGLU feed-forward: `down(gelu_tanh(gate(x)) * up(x))`."""
 
     def __call__(self, x: Float[Array, "... H"]) -> Float[Array, "... H"]:
-        return self.down_proj(jax.nn.gelu(self.gate_proj(x), approximate=True) * self.up_proj(x))
+        return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
 
 
 class GemmaDecoderLayer(nnx.Module):

@@ -19,6 +19,7 @@ from jaxtyping import Array, Float, Int
 
 from runner.attention import AttentionMetadata, causal_attention, paged_attention
 from runner.backends.base import TABLE_ROWS, XLA_MATMUL, XLA_MATMUL_NT, EmbeddingRows, Matmul, PackedKernel
+from runner.models.activations import silu
 from runner.models.config import ModelConfig
 from runner.models.family import AttentionSpec, KVCaches
 from runner.models.moe import SparseMoE
@@ -153,7 +154,7 @@ class MLP(nnx.Module):
         self.down_proj = Linear(i, h, bias=cfg.mlp_bias, cfg=cfg, rngs=rngs)
 
     def __call__(self, x: Float[Array, "... H"]) -> Float[Array, "... H"]:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nnx.Module):

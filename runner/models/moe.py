@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from runner.models.activations import silu
 from runner.models.config import ModelConfig
 
 
@@ -103,7 +104,7 @@ class SparseMoE(nnx.Module):
         if self.grouped_matmul == "segments":
             ys = self._segments(xs, sizes) * weights.reshape(-1)[order][:, None]
             return jnp.zeros_like(x).at[token].add(ys)
-        h = (jax.nn.silu(self._gmm(xs, self._stacked("gate_proj", x.dtype), sizes))
+        h = (silu(self._gmm(xs, self._stacked("gate_proj", x.dtype), sizes))
              * self._gmm(xs, self._stacked("up_proj", x.dtype), sizes))
         ys = self._gmm(h, self._stacked("down_proj", x.dtype), sizes) * weights.reshape(-1)[order][:, None]
         return jnp.zeros_like(x).at[token].add(ys)
@@ -117,7 +118,7 @@ class SparseMoE(nnx.Module):
         def project(name: str, inputs: Array) -> Array:
             kernels = getattr(self.experts, name).kernel[...][chosen].astype(x.dtype)
             return jnp.einsum("pa,pab->pb", inputs, kernels)
-        h = jax.nn.silu(project("gate_proj", xs)) * project("up_proj", xs)
+        h = silu(project("gate_proj", xs)) * project("up_proj", xs)
         ys = project("down_proj", h) * weights.reshape(-1)[:, None]
         return ys.reshape(x.shape[0], -1, x.shape[1]).sum(axis=1)
 
@@ -136,7 +137,7 @@ class SparseMoE(nnx.Module):
             e, window, out = state
             start = starts[e] + window * rows
             x = jax.lax.dynamic_slice_in_dim(padded, start, rows)
-            y = (jax.nn.silu(x @ gate[e]) * (x @ up[e])) @ down[e]
+            y = (silu(x @ gate[e]) * (x @ up[e])) @ down[e]
             keep = (jnp.arange(rows) < sizes[e] - window * rows)[:, None]
             out = jax.lax.dynamic_update_slice_in_dim(
                 out, jnp.where(keep, y, jax.lax.dynamic_slice_in_dim(out, start, rows)), start, 0)
@@ -169,7 +170,7 @@ class SparseMoE(nnx.Module):
         # x broadcast over the experts: a batched matmul reads each `[E, in, out]` kernel as it is stored
         # (with x unbatched, XLA:CPU transposed every expert kernel in every step)
         xs = jnp.broadcast_to(x, (self.config.num_experts, *x.shape))
-        h = (jax.nn.silu(jnp.einsum("enh,ehi->eni", xs, self._stacked("gate_proj", x.dtype)))
+        h = (silu(jnp.einsum("enh,ehi->eni", xs, self._stacked("gate_proj", x.dtype)))
              * jnp.einsum("enh,ehi->eni", xs, self._stacked("up_proj", x.dtype)))
         y = jnp.einsum("eni,eih->enh", h, self._stacked("down_proj", x.dtype))
         return jnp.einsum("ne,enh->nh", per_expert, y)
