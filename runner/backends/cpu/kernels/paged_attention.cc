@@ -12,8 +12,9 @@
 //   over the keys of t's sequence at positions <= t's position (kv_len - q_len + index in sequence).
 //
 // Two cache types: float32 (`PagedAttention`) and bfloat16 stored as its uint16 bits (`PagedAttentionBf16`,
-// the CPU backend's bfloat16 cache): each K/V element widens exactly to float32 as it is loaded (its bits
-// shifted up 16), so a bfloat16 cache costs half the memory traffic and the same float32 arithmetic.
+// the CPU backend's bfloat16 cache): each K/V element widens exactly to float32 (its bits shifted up 16),
+// once per tile into a buffer that all of an item's query rows read, so a bfloat16 cache costs half the
+// memory traffic and the same float32 arithmetic.
 #include <immintrin.h>
 
 #include <algorithm>
