@@ -186,6 +186,7 @@ void attend(const Problem<KV>& pb, int64_t s, int64_t h) {
   alignas(64) float kbuf[kTile * DV * 16], vbuf[kTile * DV * 16];  // a bfloat16 tile widened to float32
   const float* kwide[kTile];
   const float* vwide[kTile];
+  for (int t = 0; t < kTile; ++t) kwide[t] = kbuf + t * DV * 16, vwide[t] = vbuf + t * DV * 16;
   v16 dots[kTile];
   alignas(64) float p[kTile];
   // One tile's keys for every query row; `key_at` / `value_at` point into the cache or its widened copy.
@@ -244,14 +245,11 @@ void attend(const Problem<KV>& pb, int64_t s, int64_t h) {
     }
     if constexpr (sizeof(KV) == 2) {
       if (rows > 1) {  // bfloat16 K and V widened once per tile, not once per query row that reads them
-        for (int t = 0; t < kTile; ++t) {
+        for (int t = 0; t < kTile; ++t)
           for (int u = 0; u < DV; ++u) {
             store(kbuf + (t * DV + u) * 16, ld(key_at[t], u));
             store(vbuf + (t * DV + u) * 16, ld(value_at[t], u));
           }
-          kwide[t] = kbuf + t * DV * 16;
-          vwide[t] = vbuf + t * DV * 16;
-        }
         attend_rows(t0, kwide, vwide);
         continue;
       }
